@@ -1,0 +1,35 @@
+# The whole set-up is two commands: `make demo` and `make test` (each creates .venv if absent).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: venv demo test lint format bench clean
+
+venv: $(VENV)/.installed
+
+# Re-install when the project's dependencies change. pip takes torch==2.13.0 (CPU) from the
+# machine's wheel directory; the pin keeps it from pulling a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+demo: venv
+	$(BIN)/relay train jobs/configs/digits.yaml
+
+test: venv
+	$(BIN)/python -m pytest tests
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: venv
+	$(BIN)/python bench/train_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,31 @@
+"""relay: train, tune and serve PyTorch models on one Ray cluster.
+
+import relay
+cfg = relay.load_config("jobs/configs/digits.yaml", ["epochs=3"])
+result = relay.train(cfg)   # ray.init() is done for you if nobody has
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from relay.config import RunConfig
+    from relay.train import RunResult
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Load and validate a run config (YAML file plus `dotted.key=value` overrides)."""
+    from relay.config import load
+
+    return load(path, overrides)
+
+
+def train(cfg: RunConfig | dict[str, Any], **kwargs: Any) -> RunResult:
+    """Train on the current Ray cluster, or an embedded local one; see relay.train.fit."""
+    from relay.config import RunConfig, from_dict
+    from relay.train import fit
+
+    return fit(cfg if isinstance(cfg, RunConfig) else from_dict(cfg), **kwargs)

@@ -1,0 +1,132 @@
+"""`relay train|runs|config` — thin: parse, validate, call the API, print.
+
+Exit codes: 0 success, 1 the run failed, 2 bad usage or an invalid config (found before any
+cluster work: Ray is not even imported until the config is valid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import yaml
+
+from relay import config as config_mod
+
+EXIT_FAILED, EXIT_USAGE = 1, 2
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML run config, e.g. jobs/configs/digits.yaml")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. --set optim.lr=0.05 (repeatable; value read as YAML)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="relay", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a config on Ray (DDP through TorchTrainer)")
+    _add_config_args(train)
+    train.add_argument("--json", action="store_true", help="end with one JSON line of results")
+    train.add_argument("--verbose", action="store_true", help="show Ray's own logs")
+
+    check = sub.add_parser("config", help="validate a config and print it fully resolved")
+    _add_config_args(check)
+
+    runs = sub.add_parser("runs", help="list recorded runs (newest first), or show one")
+    runs.add_argument("action", nargs="?", choices=["show"], help="show one run")
+    runs.add_argument("run_id", nargs="?", help="run id (or a unique prefix) for `show`")
+    runs.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
+    runs.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"relay: {message}", file=sys.stderr)
+    return code
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args.config, args.overrides)
+    from relay.train import fit  # imports Ray: only once the config is known to be good
+
+    try:
+        result = fit(cfg, verbose=args.verbose)
+    except Exception as exc:  # the run failed on the cluster; its record says so too
+        return _fail(f"training failed: {exc}", EXIT_FAILED)
+    if args.json:
+        payload = result.to_json_dict()
+        payload.pop("history")
+        print(json.dumps(payload, default=str))
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args.config, args.overrides)
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def _run_summary(record: dict[str, Any]) -> str:
+    metrics = record.get("best_metrics") or record.get("metrics") or {}
+    metric = record.get("config", {}).get("checkpoint", {}).get("metric")
+    score = f"{metric}={metrics[metric]:.4g}" if metric in metrics else ""
+    epochs = f"epochs={metrics.get('epoch', '-')}"
+    status = record.get("status", "?")
+    return f"{record['run_id']:<40} {status:<9} {record['task']:<12} {epochs:<10} {score}"
+
+
+def _cmd_runs(args: argparse.Namespace) -> int:
+    from relay import history, registry
+
+    storage = config_mod.resolve_storage(args.storage)
+    if args.action == "show":
+        if not args.run_id:
+            return _fail("runs show needs a RUN_ID", EXIT_USAGE)
+        try:
+            record = registry.get_run(storage, args.run_id)
+        except KeyError as exc:
+            return _fail(str(exc.args[0]), EXIT_USAGE)
+        record = {**record, "history": history.read(record["run_dir"])}
+        if args.json:
+            print(json.dumps(record, default=str))
+        else:
+            print(yaml.safe_dump(record, sort_keys=False, default_flow_style=None), end="")
+        return 0
+    records = registry.list_runs(storage)
+    if args.json:
+        print(json.dumps(records, default=str))
+    elif not records:
+        print(f"no runs under {registry.runs_root(storage)}")
+    else:
+        for record in records:
+            print(_run_summary(record))
+    return 0
+
+
+COMMANDS = {"train": _cmd_train, "config": _cmd_config, "runs": _cmd_runs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except config_mod.ConfigError as exc:
+        where = getattr(args, "config", None)
+        return _fail(
+            f"invalid config{f' {where}' if where else ''}:\n  " + str(exc).replace("\n", "\n  "),
+            EXIT_USAGE,
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""What a person sees: one line per epoch while a run trains, then where the model is."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TextIO
+
+from relay import history
+
+_SKIP = {"epoch", "samples_per_s", "epoch_s", "lr"}
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e-3 or abs(value) >= 1e5 else f"{value:.4f}"
+    return str(value)
+
+
+def epoch_line(metrics: dict[str, Any], epochs: int) -> str:
+    width = len(str(epochs))
+    parts = [f"epoch {metrics['epoch']:>{width}}/{epochs}"]
+    parts += [f"{k} {_number(v)}" for k, v in metrics.items() if k not in _SKIP]
+    parts.append(f"{metrics.get('samples_per_s', 0):,.0f} samples/s")
+    parts.append(f"{metrics.get('epoch_s', 0):.2f}s")
+    return "  ".join(parts)
+
+
+@contextmanager
+def follow(run_dir: Path, epochs: int, out: TextIO | None = sys.stdout) -> Iterator[None]:
+    """Print each epoch of `run_dir`'s history as rank 0 appends it, until the block ends."""
+    if out is None:
+        yield
+        return
+    stop = threading.Event()
+    printed = 0
+
+    def flush() -> None:
+        nonlocal printed
+        records = history.read_raw(run_dir)
+        for record in records[printed:]:
+            out.write(epoch_line(record, epochs) + "\n")
+            out.flush()
+        printed = len(records)
+
+    def poll() -> None:
+        while not stop.wait(0.2):
+            flush()
+
+    thread = threading.Thread(target=poll, name="relay-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        flush()

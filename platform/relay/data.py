@@ -1,0 +1,114 @@
+"""Data through Ray Data: the driver turns a task's split into Ray Datasets; each worker reads
+its shard with `ray.train.get_dataset_shard` and iterates it in batches.
+
+Ray Train splits every dataset with `streaming_split(equal=True)`, so all ranks get the same
+number of rows and therefore the same number of batches — DDP needs every rank to run the same
+number of steps, or the gradient all-reduce of the longer rank waits forever.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import numpy as np
+import ray.data
+import ray.train
+import torch
+from ray.data.extensions import ArrowTensorArray
+
+from relay.tasks.base import Batch, Columns, Split
+
+BLOCKS = 8  # enough blocks for the split to spread, few enough to stay cheap
+
+
+def _to_dataset(columns: Columns) -> ray.data.Dataset:
+    import pyarrow as pa
+
+    # In-memory Arrow blocks: no read or map tasks, so no CPU slots needed beyond the workers'
+    # own (a map stage would wait forever for a CPU on a cluster the workers fill).
+    n = len(next(iter(columns.values())))
+    bounds = np.linspace(0, n, min(BLOCKS, n) + 1, dtype=int)
+    tables = []
+    for lo, hi in itertools.pairwise(bounds):
+        table = {}
+        for name, array in columns.items():
+            part = array[lo:hi]
+            table[name] = ArrowTensorArray.from_numpy(part) if part.ndim > 1 else part
+        tables.append(pa.table(table))
+    return ray.data.from_arrow(tables)
+
+
+def to_ray_datasets(split: Split) -> dict[str, ray.data.Dataset]:
+    return {"train": _to_dataset(split.train), "val": _to_dataset(split.val)}
+
+
+class ShardBatches:
+    """This worker's batches of one dataset, epoch after epoch.
+
+    cache=True reads the shard once and keeps it as tensors on the worker's device; later epochs
+    only permute indices (the hot path never touches Ray Data again). cache=False streams the
+    shard from Ray Data every epoch, for data larger than a worker's memory.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        batch_size: int,
+        dtypes: dict[str, torch.dtype],
+        device: torch.device,
+        cache: bool,
+        shuffle: bool,
+        seed: int,
+    ) -> None:
+        self._shard = ray.train.get_dataset_shard(name)
+        self._batch_size = batch_size
+        self._dtypes = dtypes
+        self._device = device
+        self._cache = cache
+        self._shuffle = shuffle
+        self._seed = seed
+        self._tensors: Batch | None = None
+
+    def _convert(self, batch: dict[str, np.ndarray]) -> Batch:
+        out = {}
+        for name, array in batch.items():
+            tensor = torch.as_tensor(np.ascontiguousarray(array))
+            out[name] = tensor.to(self._device, dtype=self._dtypes.get(name, tensor.dtype))
+        return out
+
+    def _materialize(self) -> Batch:
+        parts = list(self._shard.iter_batches(batch_size=None, batch_format="numpy"))
+        columns = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+        return self._convert(columns)
+
+    def load(self) -> None:
+        """Read the shard into memory now (cache mode), so epoch timings measure training."""
+        if self._cache and self._tensors is None:
+            self._tensors = self._materialize()
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        if not self._cache:
+            yield from self._stream(epoch)
+            return
+        self.load()
+        n = len(next(iter(self._tensors.values())))
+        if self._shuffle:
+            generator = torch.Generator().manual_seed(self._seed * 100_003 + epoch)
+            order = torch.randperm(n, generator=generator).to(self._device)
+        else:
+            order = torch.arange(n, device=self._device)
+        for start in range(0, n, self._batch_size):
+            index = order[start : start + self._batch_size]
+            yield {name: tensor[index] for name, tensor in self._tensors.items()}
+
+    def _stream(self, epoch: int) -> Iterator[Batch]:
+        buffer = 4 * self._batch_size if self._shuffle else None
+        for batch in self._shard.iter_batches(
+            batch_size=self._batch_size,
+            batch_format="numpy",
+            local_shuffle_buffer_size=buffer,
+            local_shuffle_seed=self._seed * 100_003 + epoch if self._shuffle else None,
+        ):
+            yield self._convert(batch)

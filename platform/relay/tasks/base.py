@@ -1,0 +1,114 @@
+"""What a task is: the one extension point of relay.
+
+A task bundles everything that is specific to a problem — the model builder, the data, the loss
+and the metrics — so the train loop, Tune and Serve stay generic. Subclass `Task`, give it a
+pydantic `Size` model with named presets (one of them "debug", tiny, for tests and smoke runs),
+and point a config's `task:` at it as "package.module:Class".
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+from torch import nn
+
+Batch = dict[str, torch.Tensor]
+Columns = dict[str, np.ndarray]
+
+
+class TaskSize(BaseModel):
+    """Base for a task's hyper-parameters; a preset is a dict of these fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class Split:
+    """Train and validation samples as equal-length numpy columns (row i = sample i)."""
+
+    train: Columns
+    val: Columns
+
+    def __post_init__(self) -> None:
+        for part, columns in (("train", self.train), ("val", self.val)):
+            lengths = {name: len(array) for name, array in columns.items()}
+            if len(set(lengths.values())) != 1:
+                raise ValueError(f"{part} columns differ in length: {lengths}")
+
+
+def split_rows(columns: Columns, val_fraction: float, seed: int) -> Split:
+    """A seeded, deterministic random split of rows into train and validation."""
+    n = len(next(iter(columns.values())))
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = max(1, round(n * val_fraction))
+    val_idx, train_idx = np.sort(order[:n_val]), np.sort(order[n_val:])
+    return Split(
+        train={k: v[train_idx] for k, v in columns.items()},
+        val={k: v[val_idx] for k, v in columns.items()},
+    )
+
+
+class Task(ABC):
+    """Model + data + loss + metrics for one problem."""
+
+    #: Registry name of a built-in task (user tasks are named by their import path).
+    name: ClassVar[str]
+    #: The reported metric that ranks checkpoints and trials, e.g. "val_accuracy".
+    metric: ClassVar[str]
+    mode: ClassVar[Literal["min", "max"]]
+    #: The hyper-parameter model and its named presets; "debug" is required.
+    Size: ClassVar[type[TaskSize]]
+    sizes: ClassVar[dict[str, dict[str, Any]]]
+    #: Whether `data.path` means something to this task.
+    accepts_data_path: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        size: str = "default",
+        model: dict[str, Any] | None = None,
+        data_path: str | None = None,
+    ) -> None:
+        self.size_name = size
+        self.hp = self.check_size(size, model or {})
+        self.data_path = data_path
+
+    @classmethod
+    def check_size(cls, size: str, overrides: dict[str, Any]) -> TaskSize:
+        if size not in cls.sizes:
+            choices = ", ".join(sorted(cls.sizes))
+            raise ValueError(f"size: unknown size {size!r} for this task (choices: {choices})")
+        try:
+            return cls.Size(**{**cls.sizes[size], **overrides})
+        except ValidationError as exc:
+            item = exc.errors()[0]
+            field = ".".join(str(p) for p in item["loc"])
+            message = "unknown field" if item["type"] == "extra_forbidden" else item["msg"]
+            raise ValueError(f"model.{field}: {message}") from None
+
+    @abstractmethod
+    def build_model(self) -> nn.Module:
+        """A plain nn.Module (no distribution wrappers); parallel.py wraps it."""
+
+    @abstractmethod
+    def load_data(self, val_fraction: float, seed: int) -> Split:
+        """All samples, split deterministically by `seed`. Runs once, on the driver."""
+
+    @abstractmethod
+    def loss_and_stats(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, Batch]:
+        """The mean loss of `batch`, and sums for metrics: at least "count" and "loss_sum".
+
+        Sums (not means) so that they add up across batches and ranks exactly.
+        """
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        """Turn summed statistics into metrics (without the train_/val_ prefix)."""
+        return {"loss": sums["loss_sum"] / max(sums["count"], 1.0)}
+
+    def input_columns(self) -> dict[str, torch.dtype]:
+        """The dtype each batch column is converted to on the way into torch."""
+        return {}

@@ -1,0 +1,153 @@
+"""Driver side of a training run: build the TorchTrainer from a validated config, fit, record.
+
+cfg = relay.config.load("jobs/configs/digits.yaml")
+result = relay.train(cfg)          # connects to (or starts) Ray, trains, records the run
+result.checkpoint                  # absolute path of the best checkpoint directory
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+from relay import cluster, console, history, registry
+from relay.config import RunConfig
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    run_dir: str
+    checkpoint: str | None  # the best checkpoint by the configured metric
+    last_checkpoint: str | None
+    metrics: dict[str, Any]  # the final epoch's
+    best_metrics: dict[str, Any]  # the best checkpoint's
+    history: list[dict[str, Any]] = field(default_factory=list)
+    replicas_in_sync: bool | None = None
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def new_run_id(name: str) -> str:
+    return f"{name}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+
+
+def _worker_cpus(cfg: RunConfig) -> float:
+    resources = cfg.scaling.resources_per_worker or {}
+    return resources.get("CPU", 1.0)
+
+
+def build_trainer(cfg: RunConfig, run_id: str, datasets: dict, train_rows: int):
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from relay.loop import train_loop_per_worker
+
+    runs_root = registry.runs_root(cfg.storage_path())
+    scaling = ray.train.ScalingConfig(
+        num_workers=cfg.scaling.num_workers,
+        use_gpu=cfg.scaling.use_gpu,
+        resources_per_worker=cfg.scaling.resources_per_worker,
+    )
+    run_config = ray.train.RunConfig(
+        name=run_id,
+        storage_path=str(runs_root),
+        failure_config=ray.train.FailureConfig(max_failures=cfg.failure.max_failures),
+        checkpoint_config=ray.train.CheckpointConfig(
+            num_to_keep=cfg.checkpoint.keep,
+            checkpoint_score_attribute=cfg.checkpoint.metric,
+            checkpoint_score_order=cfg.checkpoint.mode,
+        ),
+    )
+    loop_config = {
+        "run": cfg.model_dump(mode="json"),
+        "run_dir": str(runs_root / run_id),
+        "cpus_per_worker": _worker_cpus(cfg),
+        # streaming_split(equal=True) gives each worker floor(rows / workers) rows.
+        "train_rows_per_worker": train_rows // cfg.scaling.num_workers,
+    }
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop_config,
+        scaling_config=scaling,
+        run_config=run_config,
+        datasets=datasets,
+    )
+
+
+def fit(cfg: RunConfig, *, verbose: bool = False, out: TextIO | None = sys.stdout) -> RunResult:
+    """Train `cfg` on the current Ray cluster (starting a local one if none) and record it."""
+    from relay.data import to_ray_datasets
+    from relay.tasks import build_task
+
+    started = time.time()
+    cluster.connect(verbose=verbose)
+    task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
+    split = task.load_data(cfg.data.val_fraction, cfg.seed)
+    train_rows = len(next(iter(split.train.values())))
+    if train_rows < cfg.scaling.num_workers:
+        raise ValueError(
+            f"{train_rows} training samples cannot feed {cfg.scaling.num_workers} workers"
+        )
+
+    run_id = new_run_id(cfg.name)
+    run_dir = registry.runs_root(cfg.storage_path()) / run_id
+    run_dir.mkdir(parents=True)
+    record = {
+        "run_id": run_id,
+        "task": cfg.task,
+        "size": cfg.size,
+        "status": "running",
+        "started_at": datetime.fromtimestamp(started, UTC).isoformat(),
+        "run_dir": str(run_dir),
+        "config": cfg.model_dump(mode="json"),
+    }
+    registry.write(run_dir, record)
+    if out is not None:
+        out.write(f"run {run_id}: {cfg.task} ({cfg.size}) on {cfg.scaling.num_workers} workers\n")
+
+    trainer = build_trainer(cfg, run_id, to_ray_datasets(split), train_rows)
+    try:
+        with console.follow(run_dir, cfg.epochs, out):
+            result = trainer.fit()
+    except BaseException as exc:
+        registry.write(run_dir, {**record, "status": "failed", "error": repr(exc)[:2000]})
+        raise
+
+    best = result.get_best_checkpoint(cfg.checkpoint.metric, cfg.checkpoint.mode)
+    best_metrics = next(
+        (m for c, m in result.best_checkpoints or [] if best and c.path == best.path), {}
+    )
+    digests = (result.return_value or {}).get("replica_digests")
+    run = RunResult(
+        run_id=run_id,
+        run_dir=str(run_dir),
+        checkpoint=best.path if best else None,
+        last_checkpoint=result.checkpoint.path if result.checkpoint else None,
+        metrics=result.metrics or {},
+        best_metrics=best_metrics,
+        history=history.read(run_dir),
+        replicas_in_sync=len(set(digests)) == 1 if digests else None,
+    )
+    registry.write(
+        run_dir,
+        {
+            **record,
+            "status": "finished",
+            "finished_at": datetime.now(UTC).isoformat(),
+            "wall_s": round(time.time() - started, 2),
+            "checkpoint": run.checkpoint,
+            "last_checkpoint": run.last_checkpoint,
+            "metrics": run.metrics,
+            "best_metrics": run.best_metrics,
+            "replicas_in_sync": run.replicas_in_sync,
+        },
+    )
+    if out is not None:
+        out.write(f"model: {run.checkpoint}\n")
+    return run
