@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("config", help="validate a config and print it fully resolved")
     _add_config_args(check)
 
+    sub.add_parser("reference", help="print the config reference (Markdown)")
+
     runs = sub.add_parser("runs", help="list recorded runs (newest first), or show one")
     runs.add_argument("action", nargs="?", choices=["show"], help="show one run")
     runs.add_argument("run_id", nargs="?", help="run id (or a unique prefix) for `show`")
@@ -57,7 +59,7 @@ def _fail(message: str, code: int) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, args.overrides)
-    from relay.train import fit  # imports Ray: only once the config is known to be good
+    from relay.trainer import fit  # imports Ray: only once the config is known to be good
 
     try:
         result = fit(cfg, verbose=args.verbose)
@@ -113,7 +115,19 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": _cmd_train, "config": _cmd_config, "runs": _cmd_runs}
+def _cmd_reference(args: argparse.Namespace) -> int:
+    from relay.reference import config_reference
+
+    print(config_reference(), end="")
+    return 0
+
+
+COMMANDS = {
+    "train": _cmd_train,
+    "config": _cmd_config,
+    "runs": _cmd_runs,
+    "reference": _cmd_reference,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,11 @@
 """Getting onto a Ray cluster: the one the caller already joined, the one `RAY_ADDRESS` (or
-`ray job submit`) names, or else an embedded local cluster started in this process."""
+`ray job submit`) names, or else an embedded local cluster started in this process
+(`RAY_ADDRESS=local` insists on that even when a `ray start` cluster runs on this machine)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 
 import ray
 
@@ -27,13 +27,11 @@ def connect(*, verbose: bool = False, num_cpus: int | None = None) -> None:
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", REPORT_POLL_INTERVAL_S)
     if ray.is_initialized():
         return
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     options: dict = {
         "log_to_driver": verbose,
         "logging_level": logging.INFO if verbose else logging.ERROR,
     }
-    if not os.environ.get("RAY_ADDRESS"):
+    if os.environ.get("RAY_ADDRESS", "local") == "local":
         options["runtime_env"] = _local_runtime_env()
         options["num_cpus"] = num_cpus
     ray.init(**options)

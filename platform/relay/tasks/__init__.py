@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 from relay.tasks.base import Split, Task, TaskSize, split_rows
 
@@ -36,6 +38,10 @@ def resolve_task_class(name: str) -> type[Task]:
         raise ValueError(
             f"unknown task {name!r}: use a built-in ({choices}) or 'package.module:Class'"
         )
+    # Like `python -m`, user tasks resolve from the current directory (the console script's own
+    # sys.path lacks it); the embedded cluster's workers get the same path (cluster.py).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     cls = _import(name)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise ValueError(f"{name!r} is not a subclass of relay.tasks.Task")

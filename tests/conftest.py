@@ -1,0 +1,31 @@
+"""Shared fixtures: one real local Ray cluster per test session, storage in a temp dir.
+
+Tiers (cheapest first): pure torch (no Ray) → the shared cluster → subprocesses that start
+clusters of their own (CLI, `ray start --head` + `ray job submit`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def relay_home(tmp_path_factory) -> Path:
+    home = tmp_path_factory.mktemp("relay-home")
+    os.environ["RELAY_HOME"] = str(home)
+    return home
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(relay_home):
+    """A 4-logical-CPU local cluster (2 per DDP worker pair leaves room for Ray's own actors)."""
+    import ray
+    from relay import cluster
+
+    os.environ["RAY_ADDRESS"] = "local"  # never join a `ray start` cluster another test runs
+    cluster.connect(num_cpus=4)
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,130 @@
+"""Config validation: bad configs fail with exit code 2, name the field, and never start Ray."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from relay import config
+from relay.config import ConfigError
+from support import REPO, subprocess_env
+
+pytestmark = pytest.mark.timeout(120)
+
+DIGITS = REPO / "jobs" / "configs" / "digits.yaml"
+
+
+def test_example_configs_load():
+    for path in sorted((REPO / "jobs" / "configs").glob("*.yaml")):
+        cfg = config.load(path)
+        assert cfg.storage_path().is_absolute()
+        assert cfg.checkpoint.metric and cfg.checkpoint.mode
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = config.load(DIGITS, ["optim.lr=0.05", "scaling.num_workers=3", "model.hidden=[8]"])
+    assert cfg.optim.lr == 0.05
+    assert cfg.scaling.num_workers == 3
+    assert cfg.model == {"hidden": [8]}
+
+
+def test_task_defaults_fill_checkpoint_metric():
+    cfg = config.load(None, ["task=charlm"])
+    assert (cfg.checkpoint.metric, cfg.checkpoint.mode) == ("val_loss", "min")
+
+
+def test_storage_defaults_to_absolute_relay_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("RELAY_HOME", str(tmp_path / "home"))
+    assert config.load(DIGITS).storage_path() == tmp_path / "home"
+    monkeypatch.delenv("RELAY_HOME")
+    assert config.load(DIGITS).storage_path().is_absolute()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["optim.lr=-1"], "optim.lr"),
+        (["optim.lrr=0.1"], "optim.lrr"),
+        (["epochs=ten"], "epochs"),
+        (["scaling.num_workers=0"], "scaling.num_workers"),
+        (["task=nope"], "task"),
+        (["size=huge"], "size"),
+        (["model.hidden=oops"], "model.hidden"),
+        (["model.layers=3"], "model.layers"),
+        (["data.path=/tmp/x"], "data.path"),
+        (["optim=3"], "optim"),
+    ],
+)
+def test_bad_values_name_the_field(overrides, field):
+    with pytest.raises(ConfigError) as info:
+        config.load(DIGITS, overrides)
+    assert str(info.value).startswith(f"{field}:"), str(info.value)
+
+
+# Each kind of bad config, run through the real CLI in a fresh interpreter so we can also see
+# that Ray was never imported (let alone started) before the config was rejected.
+CHECK_CLI = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    from relay.cli import main
+    results = {}
+    for name, argv in json.loads(sys.argv[1]).items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(argv)
+        results[name] = {"code": code, "stderr": err.getvalue()}
+    results["ray_imported"] = "ray" in sys.modules
+    print(json.dumps(results))
+    """
+)
+
+
+def test_cli_rejects_bad_configs_before_ray(tmp_path):
+    files = {
+        "unknown_key": "task: digits\nepochz: 3\n",
+        "wrong_type": "task: digits\nbatch_size: [64]\n",
+        "bad_value": "task: digits\ncheckpoint: {every: 0}\n",
+        "invalid_yaml": "task: digits\noptim: {lr: 0.1\n",
+        "not_a_mapping": "- task\n- digits\n",
+    }
+    cases = {}
+    for name, text in files.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        cases[name] = ["train", str(path)]
+    cases["missing_file"] = ["train", str(tmp_path / "absent.yaml")]
+    cases["bad_set"] = ["train", str(REPO / "jobs/configs/digits.yaml"), "--set", "optim.lr"]
+    cases["bad_set_value"] = ["train", str(DIGITS), "--set", "scaling.use_gpu=maybe"]
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK_CLI, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=100,
+        check=True,
+    )
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    expect_in_message = {
+        "unknown_key": "epochz: unknown field",
+        "wrong_type": "batch_size:",
+        "bad_value": "checkpoint.every:",
+        "invalid_yaml": "invalid YAML",
+        "not_a_mapping": "must be a mapping",
+        "missing_file": "cannot read config file",
+        "bad_set": "expected dotted.key=value",
+        "bad_set_value": "scaling.use_gpu:",
+    }
+    for name, fragment in expect_in_message.items():
+        assert results[name]["code"] == 2, (name, results[name])
+        assert fragment in results[name]["stderr"], (name, results[name]["stderr"])
+    assert results["ray_imported"] is False
+
+
+def test_config_reference_in_readme_is_current():
+    from relay.reference import config_reference
+
+    readme = (REPO / "README.md").read_text()
+    assert config_reference() in readme, "README's config reference is stale: run `relay reference`"
