@@ -23,6 +23,7 @@ def relay_home(tmp_path_factory) -> Path:
 def ray_cluster(relay_home):
     """A 4-logical-CPU local cluster (2 per DDP worker pair leaves room for Ray's own actors)."""
     import ray
+
     from relay import cluster
 
     os.environ["RAY_ADDRESS"] = "local"  # never join a `ray start` cluster another test runs

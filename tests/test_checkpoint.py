@@ -6,11 +6,12 @@ import json
 
 import pytest
 import torch
+from support import first_batch
+
 from relay import checkpoint
 from relay.config import ScheduleConfig
 from relay.loop import build_scheduler
 from relay.tasks import build_task
-from support import first_batch
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,9 +8,10 @@ import sys
 import textwrap
 
 import pytest
+from support import REPO, subprocess_env
+
 from relay import config
 from relay.config import ConfigError
-from support import REPO, subprocess_env
 
 pytestmark = pytest.mark.timeout(120)
 

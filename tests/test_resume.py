@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 import relay
 from relay import history
 from relay.config import from_dict

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support import first_batch
+
 from relay.tasks import BUILTIN, build_task, resolve_task_class
 from relay.tasks.charlm import read_corpus
-from support import first_batch
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,11 +6,12 @@ import math
 from pathlib import Path
 
 import pytest
+from support import first_batch
+
 import relay
 from relay import checkpoint, registry
 from relay.config import from_dict
 from relay.tasks import BUILTIN, build_task
-from support import first_batch
 
 pytestmark = pytest.mark.timeout(300)
 
