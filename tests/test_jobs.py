@@ -1,0 +1,148 @@
+"""`ray start --head` (started here, on free ports, in a session of its own) + `ray job submit`
+of jobs/train.py: the run succeeds and is findable afterwards in the registry."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from support import BIN, REPO, subprocess_env
+
+from relay import registry
+
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def session_members(sid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getsid(int(entry.name)) == sid:
+                    pids.append(int(entry.name))
+    return pids
+
+
+def stop_session(leader: subprocess.Popen) -> None:
+    """End every process of the head node's session, and only those: `ray start --block` leads
+    it, and Ray's own workers (process groups of their own) keep its session id."""
+    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        for pid in session_members(leader.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while session_members(leader.pid) and time.monotonic() < deadline:
+            leader.poll()  # reap the leader so it does not linger as a zombie
+            time.sleep(0.2)
+    leader.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def head_node():
+    gcs, dashboard, client, node_manager, object_manager, agent, agent_grpc, metrics, runtime = (
+        free_ports(9)
+    )
+    temp_dir = tempfile.mkdtemp(prefix="rh-", dir="/tmp")  # Ray's socket paths must stay short
+    # Token auth as Ray 2.60 intends it, with a token of this cluster's own: the head, the job
+    # CLI and the job's driver (which inherits the raylet's environment) all present it.
+    env = subprocess_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    env.pop("RAY_ADDRESS")
+    cmd = [
+        str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats",
+        "--num-cpus=3", f"--temp-dir={temp_dir}",
+        "--node-ip-address=127.0.0.1", f"--port={gcs}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+        f"--ray-client-server-port={client}", f"--node-manager-port={node_manager}",
+        f"--object-manager-port={object_manager}", f"--dashboard-agent-listen-port={agent}",
+        f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
+        f"--runtime-env-agent-port={runtime}",
+    ]  # fmt: skip
+    log = open(Path(temp_dir) / "ray-start.log", "w")  # noqa: SIM115 - closed at teardown
+    leader = subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert leader.poll() is None, (Path(temp_dir) / "ray-start.log").read_text()
+            probe = subprocess.run(
+                [str(BIN / "ray"), "job", "list", f"--address={address}"],
+                env=env, capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            if probe.returncode == 0:
+                break
+            time.sleep(2)
+        else:
+            pytest.fail(f"the head node's job server never came up: {probe.stderr[-2000:]}")
+        yield address, env
+    finally:
+        stop_session(leader)
+        log.close()
+
+
+def test_job_submit_trains_and_registers(head_node, tmp_path):
+    address, env = head_node
+    storage = tmp_path / "storage"
+    submit = subprocess.run(
+        [
+            str(BIN / "ray"), "job", "submit", f"--address={address}", "--working-dir", ".",
+            "--", "python", "jobs/train.py", "jobs/configs/digits.yaml",
+            "--set", "size=debug", "--set", "epochs=2", "--set", f"storage={storage}", "--json",
+        ],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
+    assert "succeeded" in submit.stdout
+    result_line = next(
+        line for line in reversed(submit.stdout.splitlines()) if line.startswith('{"run_id"')
+    )
+    result = json.loads(result_line)
+
+    # Findable afterwards: on the absolute storage path, not in the job's temp working dir.
+    record = registry.get_run(storage, result["run_id"])
+    assert record["status"] == "finished"
+    assert Path(record["checkpoint"]).is_dir()
+    assert record["metrics"]["epoch"] == 2
+    listed = subprocess.run(
+        [str(BIN / "relay"), "runs", "--storage", str(storage)],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert result["run_id"] in listed.stdout
+
+
+def test_job_submit_runs_a_user_task_from_the_working_dir(head_node, tmp_path):
+    address, env = head_node
+    storage = tmp_path / "storage"
+    submit = subprocess.run(
+        [
+            str(BIN / "ray"), "job", "submit", f"--address={address}", "--working-dir", ".",
+            "--", "python", "jobs/train.py", "examples/sine.yaml",
+            "--set", "size=debug", "--set", "epochs=2", "--set", f"storage={storage}",
+        ],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
+    (record,) = registry.list_runs(storage)
+    assert record["task"] == "examples.sine:SineTask"
+    assert record["status"] == "finished"
