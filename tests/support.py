@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,3 +33,30 @@ def first_batch(task, columns, n: int):
         tensor = torch.as_tensor(array[:n])
         batch[name] = tensor.to(dtypes.get(name, tensor.dtype))
     return batch
+
+
+def session_members(sid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getsid(int(entry.name)) == sid:
+                    pids.append(int(entry.name))
+    return pids
+
+
+GENTLY = ((signal.SIGTERM, 15), (signal.SIGKILL, 10))
+
+
+def stop_session(leader: subprocess.Popen, signals=GENTLY) -> None:
+    """End every process of a session a test started (`start_new_session=True`), and only
+    those: Ray's processes get process groups of their own but keep the session id."""
+    for sig, grace in signals:
+        for pid in session_members(leader.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while session_members(leader.pid) and time.monotonic() < deadline:
+            leader.poll()  # reap the leader so it does not linger as a zombie
+            time.sleep(0.2)
+    leader.wait(timeout=30)

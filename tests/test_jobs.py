@@ -3,11 +3,8 @@ of jobs/train.py: the run succeeds and is findable afterwards in the registry.""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import secrets
-import signal
 import socket
 import subprocess
 import tempfile
@@ -15,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import BIN, REPO, subprocess_env
+from support import BIN, REPO, stop_session, subprocess_env
 
 from relay import registry
 
@@ -31,30 +28,6 @@ def free_ports(count: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
-
-
-def session_members(sid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if os.getsid(int(entry.name)) == sid:
-                    pids.append(int(entry.name))
-    return pids
-
-
-def stop_session(leader: subprocess.Popen) -> None:
-    """End every process of the head node's session, and only those: `ray start --block` leads
-    it, and Ray's own workers (process groups of their own) keep its session id."""
-    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-        for pid in session_members(leader.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + grace
-        while session_members(leader.pid) and time.monotonic() < deadline:
-            leader.poll()  # reap the leader so it does not linger as a zombie
-            time.sleep(0.2)
-    leader.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -93,3 +93,14 @@ class TrainState:
 def load_train_state(directory: str | Path) -> TrainState:
     state = torch.load(Path(directory) / TRAIN_STATE, map_location="cpu", weights_only=True)
     return TrainState(state.get("optimizer"), state.get("scheduler"))
+
+
+def load_model(directory: str | Path):
+    """(task, model in eval mode) rebuilt from a checkpoint's own meta.json — for serving and
+    offline inference. Weights load from safetensors; nothing is unpickled."""
+    from relay.tasks import build_task
+
+    cfg = read_meta(directory)["config"]
+    task = build_task(cfg["task"], cfg["size"], cfg.get("model"), cfg.get("data", {}).get("path"))
+    model = load_weights(directory, task.build_model())
+    return task, model.eval()

@@ -38,11 +38,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(train)
     train.add_argument("--json", action="store_true", help="end with one JSON line of results")
     train.add_argument("--verbose", action="store_true", help="show Ray's own logs")
+    train.add_argument(
+        "--model-name", help="register the best checkpoint under this model (default: task name)"
+    )
+
+    tune = sub.add_parser("tune", help="sweep hyperparameters with ASHA (each trial: DDP)")
+    tune.add_argument(
+        "config", nargs="?", help="YAML sweep config, e.g. jobs/configs/digits-sweep.yaml"
+    )
+    tune.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a sweep field, e.g. --set num_samples=4 --set train.epochs=3",
+    )
+    tune.add_argument("--resume", metavar="SWEEP_ID", help="continue an interrupted sweep")
+    tune.add_argument("--storage", help="storage root for --resume (default: $RELAY_HOME, ~/relay)")
+    tune.add_argument("--json", action="store_true", help="end with one JSON line of results")
+    tune.add_argument("--verbose", action="store_true", help="show Ray's own logs")
 
     check = sub.add_parser("config", help="validate a config and print it fully resolved")
     _add_config_args(check)
 
     sub.add_parser("reference", help="print the config reference (Markdown)")
+
+    models = sub.add_parser("models", help="list model versions and their aliases")
+    models.add_argument("name", nargs="?", help="only this model")
+    models.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
+    models.add_argument("--json", action="store_true", help="print JSON")
 
     runs = sub.add_parser("runs", help="list recorded runs (newest first), or show one")
     runs.add_argument("action", nargs="?", choices=["show"], help="show one run")
@@ -62,7 +87,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from relay.trainer import fit  # imports Ray: only once the config is known to be good
 
     try:
-        result = fit(cfg, verbose=args.verbose)
+        result = fit(cfg, verbose=args.verbose, model_name=args.model_name)
     except Exception as exc:  # the run failed on the cluster; its record says so too
         return _fail(f"training failed: {exc}", EXIT_FAILED)
     if args.json:
@@ -70,6 +95,33 @@ def _cmd_train(args: argparse.Namespace) -> int:
         payload.pop("history")
         print(json.dumps(payload, default=str))
     return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    if args.resume:
+        if args.config or args.overrides:
+            return _fail("--resume takes the sweep's saved config; give no CONFIG or --set", 2)
+        from relay import sweep
+
+        storage = config_mod.resolve_storage(args.storage)
+        try:
+            cfg = sweep.load_spec(storage, args.resume)
+        except KeyError as exc:
+            return _fail(str(exc.args[0]), EXIT_USAGE)
+    elif not args.config:
+        return _fail("tune needs a CONFIG (or --resume SWEEP_ID)", EXIT_USAGE)
+    else:
+        cfg = config_mod.load_sweep(args.config, args.overrides)
+        storage = cfg.train.storage_path()
+    from relay import sweep  # imports Ray: only once the config is known to be good
+
+    try:
+        result = sweep.run(cfg, verbose=args.verbose, resume=args.resume, storage=storage)
+    except Exception as exc:
+        return _fail(f"sweep failed: {exc}", EXIT_FAILED)
+    if args.json:
+        print(json.dumps(result.to_json_dict(), default=str))
+    return 0 if result.best else EXIT_FAILED
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -115,6 +167,41 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models(args: argparse.Namespace) -> int:
+    from relay import registry
+
+    storage = config_mod.resolve_storage(args.storage)
+    versions = registry.list_versions(storage, args.name)
+    by_model: dict[str, list[dict[str, Any]]] = {}
+    for version in versions:
+        by_model.setdefault(version["model"], []).append(version)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    name: {
+                        "versions": entries,
+                        "latest": entries[-1]["version"],
+                        "best": registry.best_version(entries)["version"],
+                    }
+                    for name, entries in by_model.items()
+                },
+                default=str,
+            )
+        )
+        return 0
+    if not versions:
+        print(f"no models under {registry.models_root(storage)}")
+    for name, entries in by_model.items():
+        best, latest = registry.best_version(entries)["version"], entries[-1]["version"]
+        for v in entries:
+            aliases = [a for a, n in (("best", best), ("latest", latest)) if n == v["version"]]
+            score = f"{v['metric']}={v['score']:.4g}" if v.get("score") is not None else ""
+            tag = f"({', '.join(aliases)})" if aliases else ""
+            print(f"{name}:{v['version']:<4} {tag:<16} {score:<24} {v['run_id']}")
+    return 0
+
+
 def _cmd_reference(args: argparse.Namespace) -> int:
     from relay.reference import config_reference
 
@@ -124,9 +211,11 @@ def _cmd_reference(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "train": _cmd_train,
+    "tune": _cmd_tune,
     "config": _cmd_config,
     "runs": _cmd_runs,
     "reference": _cmd_reference,
+    "models": _cmd_models,
 }
 
 

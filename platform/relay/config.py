@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -236,19 +236,160 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
 
 def load(path: str | os.PathLike[str] | None, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML config (or none: all defaults) and apply `--set` overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read config file ({exc.strerror})") from None
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: invalid YAML: {exc}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of fields")
-        data = loaded
+    data = _read_yaml(path) if path is not None else {}
     return from_dict(apply_overrides(data, list(overrides)))
+
+
+def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file ({exc.strerror})") from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of fields")
+    return loaded
+
+
+# --- sweeps -----------------------------------------------------------------------------------
+
+Distribution = Literal["choice", "grid", "uniform", "loguniform", "randint"]
+
+
+class SearchDimension(_Section):
+    """One searched field: exactly one of the keys below."""
+
+    choice: list[Any] | None = Field(None, min_length=1, description="Sample one of these.")
+    grid: list[Any] | None = Field(None, min_length=1, description="Try every one of these.")
+    uniform: tuple[float, float] | None = Field(None, description="[low, high], uniform.")
+    loguniform: tuple[float, float] | None = Field(
+        None, description="[low, high], uniform in log space (both > 0)."
+    )
+    randint: tuple[int, int] | None = Field(None, description="[low, high): an integer.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> SearchDimension:
+        given = [name for name in get_args(Distribution) if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of {', '.join(get_args(Distribution))}")
+        kind = given[0]
+        if kind in ("uniform", "loguniform", "randint"):
+            low, high = getattr(self, kind)
+            if not low < high:
+                raise ValueError(f"{kind}: low ({low}) must be below high ({high})")
+            if kind == "loguniform" and low <= 0:
+                raise ValueError("loguniform: bounds must be > 0")
+        return self
+
+    @property
+    def kind(self) -> Distribution:
+        return next(n for n in get_args(Distribution) if getattr(self, n) is not None)
+
+    def probe_values(self) -> list[Any]:
+        """Values that stand for the whole dimension when checking it against the config."""
+        if self.kind in ("choice", "grid"):
+            return list(getattr(self, self.kind))
+        low, high = getattr(self, self.kind)
+        return [low, high - 1] if self.kind == "randint" else [low, high]
+
+
+class AshaConfig(_Section):
+    enabled: bool = Field(True, description="Stop weak trials early; false runs every trial out.")
+    max_t: int | None = Field(
+        None, ge=1, description="Epochs a trial may run at most; null: the train config's epochs."
+    )
+    grace_period: int = Field(1, ge=1, description="Epochs every trial runs before it may stop.")
+    reduction_factor: float = Field(
+        2.0, gt=1, description="Keep the best 1/reduction_factor of trials at each rung."
+    )
+
+
+class SweepConfig(BaseModel):
+    # No validate_assignment here: the validator below fills fields in, and re-validating the
+    # whole sweep on each of those assignments would run the validator again.
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(
+        "sweep",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        max_length=64,
+        description="Sweep name prefix; the sweep id is `<name>-<timestamp>-<suffix>`.",
+    )
+    train: RunConfig = Field(
+        ..., description="The train config every trial starts from (a mapping, or a YAML path)."
+    )
+    search: dict[str, SearchDimension] = Field(
+        ..., min_length=1, description="Dotted train-config field → distribution."
+    )
+    num_samples: int = Field(8, ge=1, description="Trials sampled (× the grid's combinations).")
+    metric: str | None = Field(None, description="Metric to optimise; null: the task's metric.")
+    mode: Literal["min", "max"] | None = Field(None, description="null: the task's mode.")
+    asha: AshaConfig = Field(default_factory=AshaConfig, description="ASHA early stopping.")
+    workers_per_trial: int | None = Field(
+        None, ge=1, description="DDP workers of each trial; null: train.scaling.num_workers."
+    )
+    max_concurrent_trials: int | None = Field(
+        None, ge=1, description="null: as many as the cluster's free CPUs/GPUs hold at once."
+    )
+    model_name: str | None = Field(
+        None, description="Register the best trial under this model; null: the task's name."
+    )
+
+    @model_validator(mode="after")
+    def _fit_train(self) -> SweepConfig:
+        if self.workers_per_trial is not None:
+            self.train.scaling.num_workers = self.workers_per_trial
+        self.metric = self.metric or self.train.checkpoint.metric
+        self.mode = self.mode or self.train.checkpoint.mode
+        if self.asha.max_t is None:
+            self.asha.max_t = self.train.epochs
+        if self.asha.grace_period > self.asha.max_t:
+            raise ValueError(f"asha.grace_period: must be <= max_t ({self.asha.max_t})")
+        # Trials train for max_t epochs; ASHA decides how many of them each one gets.
+        self.train.epochs = self.asha.max_t
+        base = self.train.model_dump(mode="json", exclude_defaults=False)
+        for key, dimension in self.search.items():
+            for value in dimension.probe_values():
+                try:
+                    trial_config(base, {key: value})
+                except ConfigError as exc:
+                    raise ValueError(f"search.{key}: {value!r} does not fit: {exc}") from None
+        return self
+
+
+def trial_config(base: dict[str, Any], params: dict[str, Any]) -> RunConfig:
+    """The train config of one trial: the sweep's base with the sampled `params` set."""
+    import copy
+
+    data = copy.deepcopy(base)
+    for key, value in params.items():
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{key}: {part} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return from_dict(data)
+
+
+def load_sweep(path: str | os.PathLike[str], overrides: list[str] = ()) -> SweepConfig:
+    """Read a sweep YAML; `train:` may be a path to a train config (relative to the sweep)."""
+    data = _read_yaml(path)
+    if isinstance(data.get("train"), str):
+        train_path = Path(path).parent / data["train"]
+        data["train"] = _read_yaml(train_path)
+    return sweep_from_dict(apply_overrides(data, list(overrides)))
+
+
+def sweep_from_dict(data: dict[str, Any]) -> SweepConfig:
+    try:
+        return SweepConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError("\n".join(_error_lines(exc))) from None

@@ -1,13 +1,17 @@
-"""Finished (and failed) runs, recorded on the storage path: `<storage>/runs/<run id>/run.json`.
+"""Runs and model versions, recorded on the storage path as plain files — no database — so
+anyone who can read the storage path finds them, from any node:
 
-A plain directory per run — no database — so a run is found by anyone who can read the storage
-path, from any node, and two runs never write the same file.
+    <storage>/runs/<run id>/run.json        a run (running, finished or failed)
+    <storage>/models/<name>/<version>.json  a model version: a run's best checkpoint
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +51,100 @@ def get_run(storage: Path, run_id: str) -> dict[str, Any]:
         raise KeyError(f"no run {run_id!r} under {runs_root(storage)}")
     ids = ", ".join(r["run_id"] for r in matches[:5])
     raise KeyError(f"run id {run_id!r} is ambiguous: {ids}")
+
+
+# --- model versions ---------------------------------------------------------------------------
+# `<storage>/models/<name>/<version>.json`, one file per version, created exclusively so two
+# registrations never get the same number. The aliases `latest` and `best` are derived on read.
+
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def models_root(storage: Path) -> Path:
+    return storage / "models"
+
+
+def default_model_name(task: str) -> str:
+    """A built-in task's name, or a user task's class name ("pkg.mod:SineTask" → "sinetask")."""
+    return task.rpartition(":")[2].lower()
+
+
+def register_version(storage: Path, name: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """Record `entry` (checkpoint, run id, task, metric, mode, score, ...) as the next version."""
+    if not MODEL_NAME.match(name):
+        raise ValueError(f"invalid model name {name!r}: letters, digits, '_', '.', '-'")
+    directory = models_root(storage) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    version = max((int(p.stem) for p in directory.glob("*.json") if p.stem.isdigit()), default=0)
+    while True:
+        version += 1
+        record = {
+            **entry,
+            "model": name,
+            "version": version,
+            "registered_at": datetime.now(UTC).isoformat(),
+        }
+        try:
+            with open(directory / f"{version}.json", "x") as f:
+                json.dump(record, f, indent=2, default=str)
+            return record
+        except FileExistsError:
+            continue
+
+
+def list_versions(storage: Path, name: str | None = None) -> list[dict[str, Any]]:
+    """Versions of one model (or all), ordered by model name, then version."""
+    pattern = f"{name}/*.json" if name else "*/*.json"
+    records = []
+    for path in models_root(storage).glob(pattern):
+        if path.stem.isdigit():
+            records.append(json.loads(path.read_text()))
+    return sorted(records, key=lambda r: (r["model"], r["version"]))
+
+
+def best_version(versions: list[dict[str, Any]]) -> dict[str, Any]:
+    """The version with the best score by its own metric's mode; ties go to the newer."""
+    scored = [v for v in versions if v.get("score") is not None]
+    if not scored:
+        return versions[-1]
+    sign = -1 if scored[-1]["mode"] == "min" else 1
+    return max(scored, key=lambda v: (sign * v["score"], v["version"]))
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    checkpoint: Path
+    reference: str  # what it resolved as, e.g. "digits:3"
+    version: dict[str, Any] | None = None
+
+
+def resolve_model(storage: Path, ref: str) -> ResolvedModel:
+    """`name:best`, `name:latest`, `name:N`, `name` (= best), a run id, or a checkpoint dir."""
+    from relay.checkpoint import WEIGHTS
+
+    as_path = Path(ref).expanduser()
+    if (as_path / WEIGHTS).exists():
+        return ResolvedModel(as_path.resolve(), str(as_path.resolve()))
+    name, _, selector = ref.partition(":")
+    versions = list_versions(storage, name) if MODEL_NAME.match(name) else []
+    if versions:
+        selector = selector or "best"
+        if selector == "best":
+            chosen = best_version(versions)
+        elif selector == "latest":
+            chosen = versions[-1]
+        elif selector.isdigit() and any(v["version"] == int(selector) for v in versions):
+            chosen = next(v for v in versions if v["version"] == int(selector))
+        else:
+            numbers = ", ".join(str(v["version"]) for v in versions)
+            raise KeyError(f"model {name!r} has no version {selector!r} (versions: {numbers})")
+        return ResolvedModel(Path(chosen["checkpoint"]), f"{name}:{chosen['version']}", chosen)
+    try:
+        run = get_run(storage, ref)
+    except KeyError:
+        raise KeyError(
+            f"no model, run or checkpoint {ref!r} under {storage} (try `relay models`)"
+        ) from None
+    if not run.get("checkpoint"):
+        raise KeyError(f"run {run['run_id']} has no checkpoint (status {run.get('status')})")
+    return ResolvedModel(Path(run["checkpoint"]), run["run_id"])

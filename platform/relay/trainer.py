@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TextIO
 
 from relay import cluster, console, history, registry
@@ -28,6 +29,7 @@ class RunResult:
     best_metrics: dict[str, Any]  # the best checkpoint's
     history: list[dict[str, Any]] = field(default_factory=list)
     replicas_in_sync: bool | None = None
+    model: str | None = None  # the model version this run was registered as, e.g. "digits:3"
 
     def to_json_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -42,7 +44,9 @@ def _worker_cpus(cfg: RunConfig) -> float:
     return resources.get("CPU", 1.0)
 
 
-def build_trainer(cfg: RunConfig, run_id: str, datasets: dict, train_rows: int):
+def build_trainer(
+    cfg: RunConfig, run_id: str, datasets: dict, train_rows: int, callbacks: list | None = None
+):
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -63,6 +67,7 @@ def build_trainer(cfg: RunConfig, run_id: str, datasets: dict, train_rows: int):
             checkpoint_score_attribute=cfg.checkpoint.metric,
             checkpoint_score_order=cfg.checkpoint.mode,
         ),
+        callbacks=callbacks or [],
     )
     loop_config = {
         "run": cfg.model_dump(mode="json"),
@@ -80,8 +85,40 @@ def build_trainer(cfg: RunConfig, run_id: str, datasets: dict, train_rows: int):
     )
 
 
-def fit(cfg: RunConfig, *, verbose: bool = False, out: TextIO | None = sys.stdout) -> RunResult:
-    """Train `cfg` on the current Ray cluster (starting a local one if none) and record it."""
+def register_model(cfg: RunConfig, run_id: str, checkpoint: str, metrics: dict, name: str | None):
+    """Record a checkpoint as the next version of model `name` (default: the task's name)."""
+    return registry.register_version(
+        cfg.storage_path(),
+        name or registry.default_model_name(cfg.task),
+        {
+            "checkpoint": checkpoint,
+            "run_id": run_id,
+            "task": cfg.task,
+            "metric": cfg.checkpoint.metric,
+            "mode": cfg.checkpoint.mode,
+            "score": metrics.get(cfg.checkpoint.metric),
+            "metrics": metrics,
+        },
+    )
+
+
+def fit(
+    cfg: RunConfig,
+    *,
+    verbose: bool = False,
+    out: TextIO | None = sys.stdout,
+    model_name: str | None = None,
+    register: bool = True,
+    run_id: str | None = None,
+    callbacks: list | None = None,
+    labels: dict[str, Any] | None = None,
+) -> RunResult:
+    """Train `cfg` on the current Ray cluster (starting a local one if none), record the run and
+    (with `register`) make its best checkpoint the next version of model `model_name`.
+
+    A Tune trial passes a stable `run_id` (so a resumed sweep resumes the same Train run from
+    its checkpoints), Tune's report `callbacks`, and `labels` for its registry record.
+    """
     from relay.data import to_ray_datasets
     from relay.tasks import build_task
 
@@ -95,9 +132,10 @@ def fit(cfg: RunConfig, *, verbose: bool = False, out: TextIO | None = sys.stdou
             f"{train_rows} training samples cannot feed {cfg.scaling.num_workers} workers"
         )
 
-    run_id = new_run_id(cfg.name)
+    resuming = run_id is not None
+    run_id = run_id or new_run_id(cfg.name)
     run_dir = registry.runs_root(cfg.storage_path()) / run_id
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=resuming)
     record = {
         "run_id": run_id,
         "task": cfg.task,
@@ -105,13 +143,14 @@ def fit(cfg: RunConfig, *, verbose: bool = False, out: TextIO | None = sys.stdou
         "status": "running",
         "started_at": datetime.fromtimestamp(started, UTC).isoformat(),
         "run_dir": str(run_dir),
+        **(labels or {}),
         "config": cfg.model_dump(mode="json"),
     }
     registry.write(run_dir, record)
     if out is not None:
         out.write(f"run {run_id}: {cfg.task} ({cfg.size}) on {cfg.scaling.num_workers} workers\n")
 
-    trainer = build_trainer(cfg, run_id, to_ray_datasets(split), train_rows)
+    trainer = build_trainer(cfg, run_id, to_ray_datasets(split), train_rows, callbacks)
     try:
         with console.follow(run_dir, cfg.epochs, out):
             result = trainer.fit()
@@ -119,21 +158,10 @@ def fit(cfg: RunConfig, *, verbose: bool = False, out: TextIO | None = sys.stdou
         registry.write(run_dir, {**record, "status": "failed", "error": repr(exc)[:2000]})
         raise
 
-    best = result.get_best_checkpoint(cfg.checkpoint.metric, cfg.checkpoint.mode)
-    best_metrics = next(
-        (m for c, m in result.best_checkpoints or [] if best and c.path == best.path), {}
-    )
-    digests = (result.return_value or {}).get("replica_digests")
-    run = RunResult(
-        run_id=run_id,
-        run_dir=str(run_dir),
-        checkpoint=best.path if best else None,
-        last_checkpoint=result.checkpoint.path if result.checkpoint else None,
-        metrics=result.metrics or {},
-        best_metrics=best_metrics,
-        history=history.read(run_dir),
-        replicas_in_sync=len(set(digests)) == 1 if digests else None,
-    )
+    run = _run_result(cfg, run_id, run_dir, result)
+    if register and run.checkpoint:
+        version = register_model(cfg, run_id, run.checkpoint, run.best_metrics, model_name)
+        run.model = f"{version['model']}:{version['version']}"
     registry.write(
         run_dir,
         {
@@ -146,8 +174,27 @@ def fit(cfg: RunConfig, *, verbose: bool = False, out: TextIO | None = sys.stdou
             "metrics": run.metrics,
             "best_metrics": run.best_metrics,
             "replicas_in_sync": run.replicas_in_sync,
+            "model": run.model,
         },
     )
     if out is not None:
-        out.write(f"model: {run.checkpoint}\n")
+        out.write(f"model: {run.model} at {run.checkpoint}\n")
     return run
+
+
+def _run_result(cfg: RunConfig, run_id: str, run_dir: Path, result) -> RunResult:
+    best = result.get_best_checkpoint(cfg.checkpoint.metric, cfg.checkpoint.mode)
+    best_metrics = next(
+        (m for c, m in result.best_checkpoints or [] if best and c.path == best.path), {}
+    )
+    digests = (result.return_value or {}).get("replica_digests")
+    return RunResult(
+        run_id=run_id,
+        run_dir=str(run_dir),
+        checkpoint=best.path if best else None,
+        last_checkpoint=result.checkpoint.path if result.checkpoint else None,
+        metrics=result.metrics or {},
+        best_metrics=best_metrics,
+        history=history.read(run_dir),
+        replicas_in_sync=len(set(digests)) == 1 if digests else None,
+    )

@@ -1,0 +1,299 @@
+"""Hyperparameter sweeps: Ray Tune with ASHA over the same train loop.
+
+Every trial is a small Tune "driver" function that builds and fits its own TorchTrainer (N DDP
+workers) through `trainer.fit` — the Ray Train V2 pattern: `RunConfig(name=<stable per trial>,
+callbacks=[TuneReportCallback()])` forwards each epoch's report to Tune, so ASHA sees per-epoch
+metrics and stops weak trials early. The sweep is distributed twice over: trials in parallel,
+each trial data-parallel.
+
+    <storage>/sweeps/<sweep id>/     Tune's experiment state (what `--resume` restores) and
+                                     sweep.json (the validated sweep config)
+    <storage>/runs/<sweep id>-<trial id>/   each trial's Train run, as any other run
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import ray
+import ray.train
+from ray import tune
+from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import ASHAScheduler
+
+from relay import cluster, registry, trainer
+from relay.config import SearchDimension, SweepConfig, trial_config
+
+SPEC = "sweep.json"
+
+
+def sweeps_root(storage: Path) -> Path:
+    return storage / "sweeps"
+
+
+def _tune_domain(dimension: SearchDimension):
+    kind = dimension.kind
+    value = getattr(dimension, kind)
+    if kind == "choice":
+        return tune.choice(value)
+    if kind == "grid":
+        return tune.grid_search(value)
+    return {"uniform": tune.uniform, "loguniform": tune.loguniform, "randint": tune.randint}[kind](
+        *value
+    )
+
+
+def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep_id: str) -> None:
+    """One trial: the sweep's base config with this trial's sampled values, trained by the same
+    `trainer.fit` as `relay train`. Runs inside a Tune trial actor."""
+    cfg = trial_config(base, params["params"])
+    trial_id = tune.get_context().get_trial_id()
+    trainer.fit(
+        cfg,
+        out=None,
+        register=False,  # only the sweep's best trial becomes a model version
+        run_id=f"{sweep_id}-{trial_id}",  # stable: a resumed sweep resumes the same Train run
+        callbacks=[TuneReportCallback()],
+        labels={"sweep": sweep_id, "trial_id": trial_id, "params": params["params"]},
+    )
+
+
+def max_concurrent_trials(cfg: SweepConfig) -> int:
+    """How many trials' worker groups the cluster's free resources hold at once — never more,
+    or trials would sit in Tune waiting for workers that cannot be placed."""
+    if cfg.max_concurrent_trials:
+        return cfg.max_concurrent_trials
+    scaling = cfg.train.scaling
+    per_worker = scaling.resources_per_worker or {
+        "CPU": 1.0,
+        **({"GPU": 1.0} if scaling.use_gpu else {}),
+    }
+    free = ray.available_resources()
+    fits = [
+        math.floor(free.get(name, 0.0) / (amount * scaling.num_workers))
+        for name, amount in per_worker.items()
+        if amount > 0
+    ]
+    return max(1, min(fits, default=1))
+
+
+@dataclass
+class SweepResult:
+    sweep: str
+    trials: list[dict[str, Any]]
+    best: dict[str, Any] | None
+    model: str | None
+    sweep_dir: str
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Progress(tune.Callback):
+    """A compact live view in the driver: one line per trial epoch, one when a trial ends."""
+
+    def __init__(self, cfg: SweepConfig, out: TextIO) -> None:
+        self.cfg, self.out = cfg, out
+
+    def _line(self, trial, text: str) -> None:
+        self.out.write(f"  {trial.trial_id:<12} {text}\n")
+        self.out.flush()
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        value = result.get(self.cfg.metric)
+        score = f"{self.cfg.metric} {value:.4f}" if isinstance(value, float) else ""
+        epoch = f"epoch {result.get('epoch', '?')}/{self.cfg.asha.max_t}"
+        self._line(trial, f"{epoch:<11} {score:<24} {_short(trial.config['params'])}")
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        epochs = (trial.last_result or {}).get("epoch", 0)
+        how = "completed" if epochs >= self.cfg.asha.max_t else "stopped early by ASHA"
+        self._line(trial, f"{how} after {epochs} epochs")
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._line(trial, f"failed: see {trial.error_file}")
+
+
+def _short(params: dict[str, Any]) -> str:
+    return " ".join(
+        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()
+    )
+
+
+def _tuner(cfg: SweepConfig, sweep_id: str, storage: Path, out: TextIO | None, restore: bool):
+    trainable = tune.with_resources(
+        tune.with_parameters(
+            _trial_driver, base=cfg.train.model_dump(mode="json"), sweep_id=sweep_id
+        ),
+        # The driver only waits on its TorchTrainer, which reserves the real resources. Tune
+        # refuses a bare {"cpu": 0}, hence the token memory request.
+        {"cpu": 0, "memory": 1 << 20},
+    )
+    path = sweeps_root(storage) / sweep_id
+    if restore:
+        return tune.Tuner.restore(
+            str(path), trainable=trainable, resume_unfinished=True, resume_errored=True
+        )
+    scheduler = None
+    if cfg.asha.enabled:
+        scheduler = ASHAScheduler(
+            time_attr="epoch",
+            max_t=cfg.asha.max_t,
+            grace_period=cfg.asha.grace_period,
+            reduction_factor=cfg.asha.reduction_factor,
+        )
+    return tune.Tuner(
+        trainable,
+        param_space={"params": {k: _tune_domain(d) for k, d in cfg.search.items()}},
+        tune_config=tune.TuneConfig(
+            metric=cfg.metric,
+            mode=cfg.mode,
+            scheduler=scheduler,
+            num_samples=cfg.num_samples,
+            max_concurrent_trials=max_concurrent_trials(cfg),
+        ),
+        run_config=tune.RunConfig(
+            name=sweep_id,
+            storage_path=str(sweeps_root(storage)),
+            callbacks=[Progress(cfg, out)] if out is not None else [],
+            verbose=0,
+        ),
+    )
+
+
+def run(
+    cfg: SweepConfig,
+    *,
+    out: TextIO | None = sys.stdout,
+    verbose: bool = False,
+    resume: str | None = None,
+    storage: Path | None = None,
+) -> SweepResult:
+    """Run (or, with `resume=<sweep id>`, continue) a sweep; register its best trial."""
+    storage = storage or cfg.train.storage_path()
+    sweep_id = resume or trainer.new_run_id(cfg.name)
+    sweep_dir = sweeps_root(storage) / sweep_id
+    cluster.connect(verbose=verbose)
+    if not verbose:
+        # Tune's own reporter (a box per sweep, a table per interval) gives way to ours.
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    if not resume:
+        sweep_dir.mkdir(parents=True)
+        (sweep_dir / SPEC).write_text(cfg.model_dump_json(indent=2))
+    if out is not None:
+        verb = "resuming" if resume else "sweep"
+        out.write(
+            f"{verb} {sweep_id}: {cfg.num_samples} samples of {len(cfg.search)} fields, "
+            f"{cfg.train.scaling.num_workers} workers per trial, "
+            f"ASHA {'on' if cfg.asha.enabled else 'off'} (max_t {cfg.asha.max_t})\n"
+        )
+    grid = _tuner(cfg, sweep_id, storage, out, restore=resume is not None).fit()
+    return _summarize(cfg, sweep_id, sweep_dir, storage, grid, out)
+
+
+def load_spec(storage: Path, sweep_id: str) -> SweepConfig:
+    path = sweeps_root(storage) / sweep_id / SPEC
+    if not path.exists():
+        raise KeyError(f"no sweep {sweep_id!r} under {sweeps_root(storage)}")
+    return SweepConfig.model_validate_json(path.read_text())
+
+
+def _trial_summary(cfg: SweepConfig, sweep_id: str, result) -> dict[str, Any]:
+    metrics = {k: v for k, v in (result.metrics or {}).items() if not isinstance(v, dict)}
+    epochs = metrics.get("epoch", 0)
+    trial_id = metrics.get("trial_id", "unknown")
+    if result.error is not None:
+        status = "error"
+    elif epochs >= cfg.asha.max_t:
+        status = "completed"
+    else:
+        status = "stopped"
+    keep = {"epoch", cfg.metric, "train_loss", "val_loss", "samples_per_s"}
+    return {
+        "trial_id": trial_id,
+        "run_id": f"{sweep_id}-{trial_id}",
+        "config": result.config["params"],
+        "status": status,
+        "epochs_run": epochs,
+        "metrics": {k: v for k, v in metrics.items() if k in keep},
+        "best_score": _best_score(cfg, result),
+    }
+
+
+def _best_score(cfg: SweepConfig, result) -> float | None:
+    frame = result.metrics_dataframe
+    if frame is None or cfg.metric not in frame:
+        return None
+    values = frame[cfg.metric].dropna()
+    if values.empty:
+        return None
+    return float(values.max() if cfg.mode == "max" else values.min())
+
+
+def _best_checkpoint(cfg: SweepConfig, storage: Path, run_id: str) -> tuple[str | None, dict]:
+    """The best checkpoint of a trial's Train run (also for trials ASHA stopped mid-run)."""
+    run_dir = registry.runs_root(storage) / run_id
+    record = registry.get_run(storage, run_id)
+    if record.get("status") == "finished" and record.get("checkpoint"):
+        return record["checkpoint"], record.get("best_metrics", {})
+    result = ray.train.Result.from_path(str(run_dir))
+    best = result.get_best_checkpoint(cfg.metric, cfg.mode)
+    if best is None:
+        return None, {}
+    metrics = next((m for c, m in result.best_checkpoints if c.path == best.path), {})
+    return best.path, metrics
+
+
+def _summarize(cfg, sweep_id, sweep_dir, storage, grid, out) -> SweepResult:
+    trials = sorted((_trial_summary(cfg, sweep_id, r) for r in grid), key=lambda t: t["trial_id"])
+    for trial in trials:  # ASHA ends a stopped trial's run from outside: say so in its record
+        run_dir = registry.runs_root(storage) / trial["run_id"]
+        if (run_dir / registry.RECORD).exists():
+            record = registry.get_run(storage, trial["run_id"])
+            if record.get("status") == "running":
+                status = "failed" if trial["status"] == "error" else "stopped"
+                registry.write(run_dir, {**record, "status": status, "metrics": trial["metrics"]})
+
+    scored = [t for t in trials if t["best_score"] is not None]
+    best, model = None, None
+    if scored:
+        sign = 1 if cfg.mode == "max" else -1
+        winner = max(scored, key=lambda t: sign * t["best_score"])
+        checkpoint, metrics = _best_checkpoint(cfg, storage, winner["run_id"])
+        best = {**winner, "checkpoint": checkpoint, "checkpoint_metrics": metrics}
+        if checkpoint:
+            best_cfg = trial_config(cfg.train.model_dump(mode="json"), winner["config"])
+            version = trainer.register_model(
+                best_cfg, winner["run_id"], checkpoint, metrics, cfg.model_name
+            )
+            model = f"{version['model']}:{version['version']}"
+    result = SweepResult(sweep_id, trials, best, model, str(sweep_dir))
+    (sweep_dir / "result.json").write_text(json.dumps(result.to_json_dict(), indent=2, default=str))
+    if out is not None:
+        _print_summary(cfg, result, out)
+    return result
+
+
+def _print_summary(cfg: SweepConfig, result: SweepResult, out: TextIO) -> None:
+    out.write(f"\n{'trial':<12} {'status':<10} {'epochs':>6} {cfg.metric:>14}  config\n")
+    for t in result.trials:
+        score = t["metrics"].get(cfg.metric)
+        score = f"{score:.4f}" if isinstance(score, float) else "-"
+        out.write(
+            f"{t['trial_id']:<12} {t['status']:<10} {t['epochs_run']:>6} {score:>14}  "
+            f"{_short(t['config'])}\n"
+        )
+    if result.best:
+        b = result.best
+        out.write(
+            f"best: {b['trial_id']} {cfg.metric}={b['best_score']:.4f} ({_short(b['config'])})\n"
+            f"checkpoint: {b['checkpoint']}\nmodel: {result.model}\n"
+        )
+    else:
+        out.write("no trial reported a score\n")

@@ -1,0 +1,142 @@
+"""Sweeps: Ray Tune + ASHA over the same train loop, each trial its own TorchTrainer."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from support import BIN, REPO, stop_session, subprocess_env
+
+from relay import checkpoint, registry, sweep
+from relay.config import ConfigError, SweepConfig, load_sweep, sweep_from_dict
+
+pytestmark = pytest.mark.timeout(480)
+
+
+def sweep_config(storage: Path | None = None, **fields) -> SweepConfig:
+    train = {"task": "digits", "size": "debug", "epochs": 4, "batch_size": 32}
+    if storage:
+        train["storage"] = str(storage)
+    return SweepConfig.model_validate(
+        {
+            "name": "sweep-test",
+            "train": train,
+            # Good learning rates first: ASHA compares later trials against recorded ones.
+            "search": {"optim.lr": {"grid": [3e-3, 1e-2, 1e-5, 1e-6]}},
+            "num_samples": 1,
+            "workers_per_trial": 1,
+            "max_concurrent_trials": 2,
+            "asha": {"grace_period": 1, "reduction_factor": 2},
+            **fields,
+        }
+    )
+
+
+def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, relay_home):
+    cfg = sweep_config()
+    result = sweep.run(cfg, out=None)
+
+    assert len(result.trials) == 4
+    epochs = {t["config"]["optim.lr"]: t["epochs_run"] for t in result.trials}
+    assert any(e < cfg.asha.max_t for e in epochs.values()), epochs  # ASHA really stopped some
+    assert max(epochs.values()) == cfg.asha.max_t
+    stopped = [t for t in result.trials if t["status"] == "stopped"]
+    assert stopped and all(t["epochs_run"] < cfg.asha.max_t for t in stopped)
+    for trial in stopped:  # the registry says so too
+        assert registry.get_run(relay_home, trial["run_id"])["status"] == "stopped"
+
+    best = result.best
+    assert best["config"]["optim.lr"] in (3e-3, 1e-2)
+    task, _ = checkpoint.load_model(best["checkpoint"])  # the best checkpoint loads
+    assert task.metric == "val_accuracy"
+    resolved = registry.resolve_model(relay_home, "digits:best")
+    assert result.model == resolved.reference
+    assert str(resolved.checkpoint) == best["checkpoint"]
+    assert json.loads((Path(result.sweep_dir) / "result.json").read_text())["model"] == result.model
+
+
+def test_sweep_config_errors_name_the_field():
+    base = yaml.safe_load((REPO / "jobs/configs/digits-sweep.yaml").read_text())
+    base["train"] = yaml.safe_load((REPO / "jobs/configs/digits.yaml").read_text())
+    cases = {
+        "search.optim.lrr": {"search": {"optim.lrr": {"choice": [1]}}},
+        "search.optim.lr": {"search": {"optim.lr": {"uniform": [1, 0.1]}}},
+        "search.batch_size": {"search": {"batch_size": {"randint": [0, 4]}}},
+        "search.x": {"search": {"x": {"choice": [1], "grid": [2]}}},
+        "asha.grace_period": {"asha": {"grace_period": 50}},
+        "train.optim.lr": {"train": {**base["train"], "optim": {"lr": -1}}},
+        "num_samples": {"num_samples": 0},
+    }
+    for field, change in cases.items():
+        with pytest.raises(ConfigError) as info:
+            sweep_from_dict({**base, **change})
+        assert str(info.value).startswith(f"{field}:"), (field, str(info.value))
+    with pytest.raises(ConfigError, match="num_samples"):
+        load_sweep(REPO / "jobs/configs/digits-sweep.yaml", ["num_samples=-1"])
+
+
+def test_example_sweep_loads_its_train_config():
+    cfg = load_sweep(REPO / "jobs/configs/digits-sweep.yaml")
+    assert cfg.train.task == "digits" and cfg.train.epochs == cfg.asha.max_t
+    assert (cfg.metric, cfg.mode) == ("val_accuracy", "max")
+
+
+def _finished_trials(storage: Path) -> dict[str, str]:
+    return {
+        r["run_id"]: r["finished_at"]
+        for r in registry.list_runs(storage)
+        if r.get("sweep") and r.get("status") == "finished"
+    }
+
+
+def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path):
+    storage = tmp_path / "storage"
+    spec = sweep_config(storage, max_concurrent_trials=1, asha={"enabled": False, "max_t": 2})
+    spec.search = {"optim.lr": {"grid": [3e-3, 1e-2, 3e-2]}}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(json.loads(spec.model_dump_json())))
+    env = subprocess_env()
+
+    driver = subprocess.Popen(
+        [str(BIN / "relay"), "tune", str(path)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not _finished_trials(storage) and time.monotonic() < deadline:
+            assert driver.poll() is None, "the sweep ended before it could be interrupted"
+            time.sleep(0.5)
+        assert _finished_trials(storage), "no trial finished in time"
+        # Let Tune write its experiment state once more after that trial ended (it checkpoints
+        # the experiment every few seconds), then kill the driver and its embedded cluster.
+        (sweep_dir,) = (storage / "sweeps").iterdir()
+        done_at = time.time()
+        while time.monotonic() < deadline:
+            states = list(sweep_dir.glob("experiment_state-*.json"))
+            if states and max(p.stat().st_mtime for p in states) > done_at + 1:
+                break
+            time.sleep(0.5)
+    finally:
+        stop_session(driver, signals=((signal.SIGKILL, 15),))
+    before = _finished_trials(storage)
+    assert len(before) < 3, "the sweep finished before it was interrupted"
+
+    resumed = subprocess.run(
+        [str(BIN / "relay"), "tune", "--resume", sweep_dir.name, "--storage", str(storage),
+         "--json"],
+        env=env, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    result = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert len(result["trials"]) == 3
+    assert all(t["status"] == "completed" for t in result["trials"])
+    after = _finished_trials(storage)
+    for run_id, finished_at in before.items():
+        assert after[run_id] == finished_at, f"{run_id} was trained again"
+    assert len(after) == 3
+    assert result["model"].startswith("digits:")
