@@ -20,7 +20,10 @@ DIGITS = REPO / "jobs" / "configs" / "digits.yaml"
 
 def test_example_configs_load():
     for path in sorted((REPO / "jobs" / "configs").glob("*.yaml")):
-        cfg = config.load(path)
+        if path.stem.endswith("-sweep"):
+            cfg = config.load_sweep(path).train
+        else:
+            cfg = config.load(path)
         assert cfg.storage_path().is_absolute()
         assert cfg.checkpoint.metric and cfg.checkpoint.mode
 
