@@ -33,7 +33,7 @@ def test_train_json_runs_and_show(tmp_path):
     # Quiet by default: a header, one line per epoch, where the model is, the JSON line.
     assert lines[0].startswith("run sine-")
     assert [line.split()[1] for line in lines[1:4]] == ["1/3", "2/3", "3/3"]
-    assert lines[4].startswith("model: ")
+    assert lines[4].startswith("model: sinetask:1 at ")
     assert len(lines) == 6, out.stdout
     result = json.loads(lines[-1])
     assert {"run_id", "checkpoint", "metrics", "best_metrics"} <= set(result)
@@ -50,6 +50,13 @@ def test_train_json_runs_and_show(tmp_path):
     assert shown["run_id"] == result["run_id"]
     assert [e["epoch"] for e in shown["history"]] == [1, 2, 3]
     assert shown["config"]["task"] == "examples.sine:SineTask"
+
+    # The run became version 1 of the model named after its task, with both aliases.
+    assert result["model"] == "sinetask:1"
+    models = json.loads(relay("models", "--json", storage=tmp_path).stdout)
+    assert models["sinetask"]["best"] == models["sinetask"]["latest"] == 1
+    assert models["sinetask"]["versions"][0]["checkpoint"] == result["checkpoint"]
+    assert "sinetask:1" in relay("models", storage=tmp_path).stdout
 
     missing = relay("runs", "show", "nope", storage=tmp_path, check=False)
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr

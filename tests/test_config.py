@@ -20,10 +20,8 @@ DIGITS = REPO / "jobs" / "configs" / "digits.yaml"
 
 def test_example_configs_load():
     for path in sorted((REPO / "jobs" / "configs").glob("*.yaml")):
-        if path.stem.endswith("-sweep"):
-            cfg = config.load_sweep(path).train
-        else:
-            cfg = config.load(path)
+        sweep = path.stem.endswith("-sweep")
+        cfg = config.load_sweep(path).train if sweep else config.load(path)
         assert cfg.storage_path().is_absolute()
         assert cfg.checkpoint.metric and cfg.checkpoint.mode
 

@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 from relay import history
 
-_SKIP = {"epoch", "samples_per_s", "epoch_s", "lr"}
+_SKIP = {"epoch", "samples_per_s", "epoch_s", "lr", "time"}
 
 
 def _number(value: Any) -> str:

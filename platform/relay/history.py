@@ -7,6 +7,7 @@ After a restart an epoch may be trained again; the last record of an epoch wins.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,9 @@ FILE = "history.jsonl"
 
 
 def append(run_dir: str | Path, metrics: dict[str, Any]) -> None:
+    """Append an epoch, stamped with the wall-clock time it ended (start-up is measured off it)."""
     with open(Path(run_dir) / FILE, "a") as f:
-        f.write(json.dumps(metrics) + "\n")
+        f.write(json.dumps({**metrics, "time": time.time()}) + "\n")
 
 
 def read_raw(run_dir: str | Path) -> list[dict[str, Any]]:

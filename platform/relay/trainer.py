@@ -30,6 +30,7 @@ class RunResult:
     history: list[dict[str, Any]] = field(default_factory=list)
     replicas_in_sync: bool | None = None
     model: str | None = None  # the model version this run was registered as, e.g. "digits:3"
+    startup_s: float | None = None  # from fit() to the first training step (cluster, workers, data)
 
     def to_json_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -159,6 +160,9 @@ def fit(
         raise
 
     run = _run_result(cfg, run_id, run_dir, result)
+    if run.history:
+        first = run.history[0]
+        run.startup_s = round(first["time"] - first["epoch_s"] - started, 3)
     if register and run.checkpoint:
         version = register_model(cfg, run_id, run.checkpoint, run.best_metrics, model_name)
         run.model = f"{version['model']}:{version['version']}"
@@ -174,6 +178,7 @@ def fit(
             "metrics": run.metrics,
             "best_metrics": run.best_metrics,
             "replicas_in_sync": run.replicas_in_sync,
+            "startup_s": run.startup_s,
             "model": run.model,
         },
     )
