@@ -14,10 +14,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from relay.models import MLP
 from relay.tasks import Split, Task, TaskSize, split_rows
+from relay.tasks.base import InstanceSchema, PredictionSchema
 
 
 class SineSize(TaskSize):
@@ -25,10 +26,22 @@ class SineSize(TaskSize):
     hidden: list[int] = Field(description="Hidden layer widths.")
 
 
+class SineInstance(InstanceSchema):  # what a client sends to be served: {"x": 0.5}
+    model_config = ConfigDict(json_schema_extra={"examples": [{"x": 0.5}]})
+    shorthand = "x"  # a bare number stands for {"x": number}
+    x: float = Field(description="Where to evaluate; the model saw [-2, 2].")
+
+
+class SinePrediction(PredictionSchema):  # what it gets back: {"y": 0.99}
+    y: float
+
+
 class SineTask(Task):
     metric = "val_loss"
     mode = "min"
     Size = SineSize
+    Instance = SineInstance
+    Prediction = SinePrediction
     sizes = {
         "debug": {"samples": 512, "hidden": [32]},
         "default": {"samples": 8192, "hidden": [64, 64]},
@@ -47,3 +60,9 @@ class SineTask(Task):
         loss = F.mse_loss(model(batch["x"]).squeeze(-1), batch["y"])
         n = len(batch["y"])
         return loss, {"count": torch.tensor(float(n)), "loss_sum": loss.detach() * n}
+
+    def predict(self, model, instances):  # one forward for a whole server-side batch
+        x = torch.tensor([[instance.x] for instance in instances])
+        with torch.inference_mode():
+            ys = model(x).squeeze(-1).tolist()
+        return [SinePrediction(y=y) for y in ys]

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from relay import config as config_mod
+from relay import serving
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("run_id", nargs="?", help="run id (or a unique prefix) for `show`")
     runs.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
     runs.add_argument("--json", action="store_true", help="print JSON")
+
+    serving.add_parser(sub)
     return parser
 
 
@@ -216,6 +219,7 @@ COMMANDS = {
     "runs": _cmd_runs,
     "reference": _cmd_reference,
     "models": _cmd_models,
+    "serve": serving.cmd_serve,
 }
 
 

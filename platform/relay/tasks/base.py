@@ -4,17 +4,22 @@ A task bundles everything that is specific to a problem — the model builder, t
 and the metrics — so the train loop, Tune and Serve stay generic. Subclass `Task`, give it a
 pydantic `Size` model with named presets (one of them "debug", tiny, for tests and smoke runs),
 and point a config's `task:` at it as "package.module:Class".
+
+To be served (serve/app.py), a task also declares what one request instance and one prediction
+look like — pydantic models `Instance` and `Prediction` — and implements `predict`, which runs
+the whole list of instances of a (server-side) batch through the model at once.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_validator
 from torch import nn
 
 Batch = dict[str, torch.Tensor]
@@ -25,6 +30,38 @@ class TaskSize(BaseModel):
     """Base for a task's hyper-parameters; a preset is a dict of these fields."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InstanceSchema(BaseModel):
+    """Base for a task's request instance: what one client sends to be predicted.
+
+    Strict (no "5" for 5, no true for 1), closed (unknown fields are errors) and finite (NaN and
+    infinity are errors): a server must reject bad input, never guess at it.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    #: The field a bare value fills, so `[0, 3, ...]` may stand for `{"pixels": [0, 3, ...]}`
+    #: (the TF-Serving "row" form); None: instances must be objects.
+    shorthand: ClassVar[str | None] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_shorthand(cls, value: Any) -> Any:
+        if cls.shorthand is not None and not isinstance(value, dict):
+            return {cls.shorthand: value}
+        return value
+
+
+class PredictionSchema(BaseModel):
+    """Base for a task's prediction of one instance (the response side)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@cache
+def _instances_adapter(instance: type[BaseModel]) -> TypeAdapter:
+    return TypeAdapter(list[instance])  # built once per schema: adapters are costly to build
 
 
 @dataclass(frozen=True)
@@ -66,6 +103,10 @@ class Task(ABC):
     sizes: ClassVar[dict[str, dict[str, Any]]]
     #: Whether `data.path` means something to this task.
     accepts_data_path: ClassVar[bool] = False
+    #: Serving: one request instance and one prediction (subclasses of InstanceSchema and
+    #: PredictionSchema). Declared, not defined: a task without them cannot be served.
+    Instance: ClassVar[type[BaseModel]]
+    Prediction: ClassVar[type[BaseModel]]
 
     def __init__(
         self,
@@ -112,3 +153,27 @@ class Task(ABC):
     def input_columns(self) -> dict[str, torch.dtype]:
         """The dtype each batch column is converted to on the way into torch."""
         return {}
+
+    @classmethod
+    def servable(cls) -> bool:
+        """Whether this task has what serving needs: both schemas and its own `predict`."""
+        has_schemas = hasattr(cls, "Instance") and hasattr(cls, "Prediction")
+        return has_schemas and cls.predict is not Task.predict
+
+    def validate_instances(self, items: list[Any]) -> list[BaseModel]:
+        """Parse raw (JSON-decoded) instances with `Instance`; raises pydantic's
+        ValidationError, whose locations start with the instance's index.
+
+        The task itself is the validation context, so a schema can check what depends on the
+        model's size (e.g. regression's feature count: `info.context["task"].hp.features`).
+        """
+        if not hasattr(self, "Instance"):
+            raise TypeError(f"{type(self).__name__} declares no Instance schema")
+        return _instances_adapter(self.Instance).validate_python(items, context={"task": self})
+
+    def predict(self, model: nn.Module, instances: list[BaseModel]) -> list[BaseModel]:
+        """Predictions for validated `instances`, in order: one forward for the whole list."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot be served: give it Instance and Prediction schemas "
+            "and a predict() method (see relay/tasks/digits.py)"
+        )

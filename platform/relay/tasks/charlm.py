@@ -14,12 +14,25 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from relay.models import CharTransformer
-from relay.tasks.base import Batch, Split, Task, TaskSize, split_rows
+from relay.tasks.base import (
+    Batch,
+    InstanceSchema,
+    PredictionSchema,
+    Split,
+    Task,
+    TaskSize,
+    split_rows,
+)
 
 VOCAB_SIZE = 256
+MAX_PROMPT_CHARS = 4096  # longer prompts are cut to block_size bytes anyway: refuse, don't read
+MAX_NEW_TOKENS = 512
+# Below this temperature sampling is greedy decoding: logits / t would overflow float32 as t → 0,
+# and the limit of sampling at t → 0 is the argmax anyway.
+MIN_SAMPLING_TEMPERATURE = 1e-4
 
 
 class CharLMSize(TaskSize):
@@ -59,6 +72,34 @@ def read_corpus(path: Path, limit: int) -> bytes:
     return corpus
 
 
+class CharLMInstance(InstanceSchema):
+    """A prompt to continue, byte by byte."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"prompt": "def main(", "max_new_tokens": 32, "seed": 0}]}
+    )
+    shorthand = "prompt"
+    prompt: str = Field(
+        min_length=1,
+        max_length=MAX_PROMPT_CHARS,
+        description="Text to continue; only its last block_size UTF-8 bytes are seen.",
+    )
+    max_new_tokens: int = Field(64, ge=1, le=MAX_NEW_TOKENS, description="Bytes to generate.")
+    temperature: float = Field(
+        1.0, ge=0, le=100, description="Sampling temperature; 0 decodes greedily."
+    )
+    seed: int | None = Field(
+        None, ge=0, lt=2**63, description="Seeds sampling, for a reproducible continuation."
+    )
+
+
+class CharLMPrediction(PredictionSchema):
+    text: str = Field(
+        description="The continuation (without the prompt), decoded as UTF-8; bytes that are "
+        "not valid UTF-8 become U+FFFD."
+    )
+
+
 class CharLMTask(Task):
     """Next-character prediction; reports loss (nats/char) and perplexity."""
 
@@ -67,6 +108,8 @@ class CharLMTask(Task):
     mode = "min"
     accepts_data_path = True
     Size = CharLMSize
+    Instance = CharLMInstance
+    Prediction = CharLMPrediction
     sizes = {
         "debug": {
             "corpus_bytes": 64_000,
@@ -120,3 +163,34 @@ class CharLMTask(Task):
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         loss = sums["loss_sum"] / max(sums["chars"], 1.0)
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+    def predict(
+        self, model: torch.nn.Module, instances: list[CharLMInstance]
+    ) -> list[CharLMPrediction]:
+        """Instances that can share a generate() call do: same (cropped) prompt length, same
+        max_new_tokens and temperature, no seed — the model has no padding mask, so prompts of
+        different lengths cannot share a batch. A seeded instance runs alone with its own
+        generator, so its text does not depend on what it was batched with."""
+        prompts = [
+            list(instance.prompt.encode("utf-8"))[-self.hp.block_size :] for instance in instances
+        ]
+        groups: dict[tuple, list[int]] = {}
+        for i, (instance, prompt) in enumerate(zip(instances, prompts, strict=True)):
+            solo = i if instance.seed is not None else None
+            key = (len(prompt), instance.max_new_tokens, instance.temperature, solo)
+            groups.setdefault(key, []).append(i)
+        texts: list[str] = [""] * len(instances)
+        for (length, max_new_tokens, temperature, _), members in groups.items():
+            seed = instances[members[0]].seed
+            generator = torch.Generator().manual_seed(seed) if seed is not None else None
+            tokens = torch.tensor([prompts[i] for i in members], dtype=torch.long)
+            with torch.inference_mode():
+                out = model.generate(
+                    tokens,
+                    max_new_tokens,
+                    temperature if temperature >= MIN_SAMPLING_TEMPERATURE else 0.0,
+                    generator=generator,
+                )
+            for i, row in zip(members, out[:, length:].tolist(), strict=True):
+                texts[i] = bytes(row).decode("utf-8", errors="replace")
+        return [CharLMPrediction(text=text) for text in texts]

@@ -2,20 +2,61 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import ConfigDict, Field, field_validator
 
 from relay.models import MLP
-from relay.tasks.base import Batch, Split, Task, TaskSize, split_rows
+from relay.tasks.base import (
+    Batch,
+    InstanceSchema,
+    PredictionSchema,
+    Split,
+    Task,
+    TaskSize,
+    split_rows,
+)
 
 PIXEL_MAX = 16.0  # the data set's pixels are intensities 0..16
+SIDE = 8  # images are SIDE × SIDE
+
+Pixel = Annotated[float, Field(ge=0, le=PIXEL_MAX)]
 
 
 class DigitsSize(TaskSize):
     hidden: list[int] = Field(description="Hidden layer widths of the MLP.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout after each hidden layer.")
+
+
+class DigitsInstance(InstanceSchema):
+    """One 8×8 image: 64 pixel intensities 0–16, flat (row by row) or as 8 rows of 8."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"pixels": [[0, 8, 16, 8, 0, 0, 0, 0]] * 8}]}
+    )
+    shorthand = "pixels"
+    pixels: list[Pixel] = Field(
+        min_length=SIDE * SIDE,
+        max_length=SIDE * SIDE,
+        description="64 intensities 0–16 (as in the data set), row by row; or 8 rows of 8.",
+    )
+
+    @field_validator("pixels", mode="before")
+    @classmethod
+    def _flatten_rows(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and all(isinstance(row, list) for row in value):
+            if len(value) != SIDE or any(len(row) != SIDE for row in value):
+                raise ValueError(f"an image as rows needs {SIDE} rows of {SIDE} pixels")
+            return [pixel for row in value for pixel in row]
+        return value
+
+
+class DigitsPrediction(PredictionSchema):
+    label: int = Field(description="The most likely digit.")
+    probabilities: list[float] = Field(description="Probability of each digit 0–9.")
 
 
 class DigitsTask(Task):
@@ -25,6 +66,8 @@ class DigitsTask(Task):
     metric = "val_accuracy"
     mode = "max"
     Size = DigitsSize
+    Instance = DigitsInstance
+    Prediction = DigitsPrediction
     sizes = {
         "debug": {"hidden": [32]},
         "default": {"hidden": [256, 128], "dropout": 0.1},
@@ -54,3 +97,15 @@ class DigitsTask(Task):
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         n = max(sums["count"], 1.0)
         return {"loss": sums["loss_sum"] / n, "accuracy": sums["correct"] / n}
+
+    def predict(
+        self, model: torch.nn.Module, instances: list[DigitsInstance]
+    ) -> list[DigitsPrediction]:
+        x = torch.tensor([instance.pixels for instance in instances], dtype=torch.float32)
+        with torch.inference_mode():
+            probabilities = F.softmax(model(x), dim=-1)
+        labels = probabilities.argmax(dim=-1).tolist()
+        return [
+            DigitsPrediction(label=label, probabilities=row)
+            for label, row in zip(labels, probabilities.tolist(), strict=True)
+        ]

@@ -5,10 +5,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from relay.models import MLP
-from relay.tasks.base import Batch, Split, Task, TaskSize, split_rows
+from relay.tasks.base import (
+    Batch,
+    InstanceSchema,
+    PredictionSchema,
+    Split,
+    Task,
+    TaskSize,
+    split_rows,
+)
 
 
 class RegressionSize(TaskSize):
@@ -18,6 +26,25 @@ class RegressionSize(TaskSize):
     noise: float = Field(0.1, ge=0, description="Std of the Gaussian label noise.")
 
 
+class RegressionInstance(InstanceSchema):
+    """One row of features; how many depends on the model (its size's `features`)."""
+
+    shorthand = "features"
+    features: list[float] = Field(min_length=1, description="The model's input features.")
+
+    @field_validator("features")
+    @classmethod
+    def _fits_the_model(cls, value: list[float], info: ValidationInfo) -> list[float]:
+        task = (info.context or {}).get("task")
+        if task is not None and len(value) != task.hp.features:
+            raise ValueError(f"expected {task.hp.features} features, got {len(value)}")
+        return value
+
+
+class RegressionPrediction(PredictionSchema):
+    value: float = Field(description="The predicted target.")
+
+
 class RegressionTask(Task):
     """y = tanh-mixed linear function of x plus noise; reports MSE and R²."""
 
@@ -25,6 +52,8 @@ class RegressionTask(Task):
     metric = "val_loss"
     mode = "min"
     Size = RegressionSize
+    Instance = RegressionInstance
+    Prediction = RegressionPrediction
     sizes = {
         "debug": {"samples": 512, "features": 8, "hidden": [32]},
         "default": {"samples": 20_000, "features": 32, "hidden": [128, 128]},
@@ -59,3 +88,13 @@ class RegressionTask(Task):
         mse = sums["loss_sum"] / n
         variance = sums["y_sq_sum"] / n - (sums["y_sum"] / n) ** 2
         return {"loss": mse, "r2": 1.0 - mse / variance if variance > 0 else 0.0}
+
+    def predict(
+        self, model: torch.nn.Module, instances: list[RegressionInstance]
+    ) -> list[RegressionPrediction]:
+        x = torch.tensor([instance.features for instance in instances], dtype=torch.float32)
+        if x.shape[1] != self.hp.features:  # unvalidated input; the schema checks this too
+            raise ValueError(f"expected {self.hp.features} features, got {x.shape[1]}")
+        with torch.inference_mode():
+            values = model(x).squeeze(-1)
+        return [RegressionPrediction(value=value) for value in values.tolist()]

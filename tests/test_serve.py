@@ -1,0 +1,371 @@
+"""Serving over real HTTP: serve/app.py on the session's Ray cluster, called with `requests`.
+
+Checkpoints are made in-process (a few optimizer steps on the real data, no Ray Train run) and
+registered, so `digits:best` resolves as it would after `relay train`. One digits application
+serves the whole module on a free loopback port; charlm, regression and the serve/config.yaml
+application join it under route prefixes of their own. Serve is shut down at the end: later
+tests train on the same cluster and need its CPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+import yaml
+from support import REPO
+
+from relay import checkpoint, cli, config, registry
+from relay.tasks import Task, TaskSize, build_task
+
+pytestmark = pytest.mark.timeout(180)
+
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # serve.app, as `serve run` imports it from the repo root
+
+MAX_BODY_BYTES = 16_384  # small, so a test body can exceed it cheaply
+MAX_INSTANCES = 8
+TIMEOUT = 30  # seconds per HTTP call: a wedged server fails the test instead of hanging it
+
+
+def make_version(storage: Path, task_name: str, steps: int, model_name: str | None = None):
+    """Train a debug model a few steps on its real data, save it as relay does, register it."""
+    cfg = config.from_dict({"task": task_name, "size": "debug", "storage": str(storage)})
+    task = build_task(cfg.task, cfg.size, cfg.model)
+    torch.manual_seed(0)
+    model = task.build_model()
+    if steps:
+        split = task.load_data(val_fraction=0.2, seed=0)
+        dtypes = task.input_columns()
+        batch = {
+            name: torch.as_tensor(column[:256]).to(dtypes.get(name, torch.as_tensor(column).dtype))
+            for name, column in split.train.items()
+        }
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for _ in range(steps):
+            loss, _ = task.loss_and_stats(model, batch)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    run_id = f"{task_name.replace(':', '-').replace('.', '-')}-serve-test"
+    directory = storage / "runs" / run_id / "epoch_0000"
+    meta = {"epoch": 1, "metrics": {}, "config": cfg.model_dump(mode="json")}
+    checkpoint.save(directory, model.eval(), meta=meta)
+    entry = {"checkpoint": str(directory), "run_id": run_id, "task": task_name, "score": None}
+    name = model_name or registry.default_model_name(task_name)
+    return registry.register_version(storage, name, entry)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def images(n: int, offset: int = 0) -> list[list[float]]:
+    from sklearn.datasets import load_digits
+
+    return load_digits().data[offset : offset + n].tolist()
+
+
+def offline_predictions(storage: Path, ref: str, instances: list) -> list[dict]:
+    task, model = checkpoint.load_model(registry.resolve_model(storage, ref).checkpoint)
+    return [p.model_dump() for p in task.predict(model, task.validate_instances(instances))]
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory) -> Path:
+    # A storage root of this module's own: other tests register digits versions in RELAY_HOME,
+    # and `digits:best` must mean the model made here.
+    root = tmp_path_factory.mktemp("serve-storage")
+    make_version(root, "digits", steps=40)
+    make_version(root, "charlm", steps=5)
+    make_version(root, "regression", steps=5)
+    return root
+
+
+@pytest.fixture(scope="module")
+def base_url(ray_cluster, storage):
+    from ray import serve
+
+    from serve.app import AppArgs, app
+
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = AppArgs(
+            model="digits:best",
+            storage=str(storage),
+            num_cpus=0.5,
+            # A generous wait, so requests sent together surely meet in one batch.
+            batch_wait_timeout_s=0.05,
+            max_instances=MAX_INSTANCES,
+            max_body_bytes=MAX_BODY_BYTES,
+        )
+        serve.run(app(args), name="test-digits", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+
+
+def predict(base_url: str, body, name: str = "digits", **kwargs) -> requests.Response:
+    url = f"{base_url}/v1/models/{name}:predict"
+    if isinstance(body, dict | list):
+        return requests.post(url, json=body, timeout=TIMEOUT, **kwargs)
+    return requests.post(url, data=body, timeout=TIMEOUT, **kwargs)  # raw bytes, or chunks
+
+
+def assert_matches(served: list[dict], expected: list[dict]) -> None:
+    assert [p["label"] for p in served] == [p["label"] for p in expected]
+    for got, want in zip(served, expected, strict=True):
+        assert got["probabilities"] == pytest.approx(want["probabilities"], rel=1e-5, abs=1e-6)
+
+
+def assert_still_serving(base_url: str, storage: Path) -> None:
+    response = predict(base_url, {"instances": images(1, offset=7)})
+    assert response.status_code == 200, response.text
+    assert_matches(
+        response.json()["predictions"], offline_predictions(storage, "digits:best", images(1, 7))
+    )
+
+
+# --- the happy path ----------------------------------------------------------------------------
+
+
+def test_predictions_match_the_model_run_offline(base_url, storage):
+    batch = images(5)
+    as_rows = [[image[r * 8 : r * 8 + 8] for r in range(8)] for image in batch[:2]]
+    body = {"instances": [*batch, {"pixels": batch[0]}, {"pixels": as_rows[1]}]}
+    response = predict(base_url, body)
+    assert response.status_code == 200, response.text
+    served = response.json()["predictions"]
+    assert len(served) == 7 and all(len(p["probabilities"]) == 10 for p in served)
+    assert_matches(served, offline_predictions(storage, "digits:best", body["instances"]))
+    assert [p["label"] for p in served[5:]] == [served[0]["label"], served[1]["label"]]
+
+
+def batch_stats(base_url: str) -> dict:
+    return requests.get(f"{base_url}/v1/models/digits/stats", timeout=TIMEOUT).json()
+
+
+def test_concurrent_requests_share_batches(base_url, storage):
+    """One image per request, 24 callers at once: some forward must have served several."""
+    batch = images(24, offset=100)
+    start = threading.Barrier(len(batch))
+    results: list = [None] * len(batch)
+
+    def client(i: int) -> None:
+        start.wait()
+        results[i] = predict(base_url, {"instances": [batch[i]]})
+
+    before = batch_stats(base_url)
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(batch))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(r is not None and r.status_code == 200 for r in results), results
+    served = [r.json()["predictions"][0] for r in results]
+    assert_matches(served, offline_predictions(storage, "digits:best", batch))
+    after = batch_stats(base_url)
+    assert after["instances"] - before["instances"] == len(batch)
+    new_batches = {
+        int(size): count - before["batch_size_histogram"].get(size, 0)
+        for size, count in after["batch_size_histogram"].items()
+    }
+    assert max(size for size, count in new_batches.items() if count > 0) > 1, (before, after)
+
+
+def test_metadata_health_and_docs(base_url):
+    meta = requests.get(f"{base_url}/v1/models/digits", timeout=TIMEOUT).json()
+    assert meta["ready"] is True and meta["name"] == "digits" and meta["task"] == "digits"
+    assert meta["version"] == 1 and meta["reference"] == "digits:1"
+    assert requests.get(f"{base_url}/healthz", timeout=TIMEOUT).json() == {"status": "ok"}
+    docs = requests.get(f"{base_url}/docs", timeout=TIMEOUT)
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    spec = requests.get(f"{base_url}/openapi.json", timeout=TIMEOUT).json()
+    assert "/v1/models/{name}:predict" in spec["paths"]
+    assert spec["components"]["schemas"]["DigitsInstance"]["properties"]["pixels"]
+    missing = requests.get(f"{base_url}/v1/models/nope", timeout=TIMEOUT)
+    assert missing.status_code == 404 and "nope" in missing.json()["error"]
+
+
+# --- bad input: a 4xx JSON naming the problem, and the next request is served ------------------
+
+VALID = [float(i % 17) for i in range(64)]
+RAW_NAN = ("[" + ",".join(["NaN"] + ["1"] * 63) + "]").encode()
+RAW_INF = ("[" + ",".join(["1"] * 10 + ["Infinity"] + ["1"] * 53) + "]").encode()
+
+BAD_REQUESTS = {
+    # name: (body, status, loc of the first detail or None, words the error must contain)
+    "pixels of the wrong type": ({"instances": [{"pixels": "abc"}]}, 422, "instances.0.pixels", ""),
+    "a string pixel": (
+        {"instances": [[*VALID[:3], "7", *VALID[4:]]]},
+        422,
+        "instances.0.pixels.3",
+        "",
+    ),
+    "a boolean pixel": ({"instances": [[True, *VALID[1:]]]}, 422, "instances.0.pixels.0", ""),
+    "63 pixels": ({"instances": [VALID[:63]]}, 422, "instances.0.pixels", ""),
+    "8 rows of 7": ({"instances": [[[0.0] * 7] * 8]}, 422, "instances.0.pixels", ""),
+    "missing pixels": ({"instances": [{}]}, 422, "instances.0.pixels", ""),
+    "an unknown field": ({"instances": [{"pixels": VALID, "x": 1}]}, 422, "instances.0.x", ""),
+    "the bad one of two": ({"instances": [VALID, VALID[:10]]}, 422, "instances.1.pixels", ""),
+    "NaN": (b'{"instances": [' + RAW_NAN + b"]}", 422, "instances.0.pixels.0", ""),
+    "Infinity": (b'{"instances": [' + RAW_INF + b"]}", 422, "instances.0.pixels.10", ""),
+    "a pixel above 16": (
+        {"instances": [[*VALID[:5], 17, *VALID[6:]]]},
+        422,
+        "instances.0.pixels.5",
+        "",
+    ),
+    "a negative pixel": ({"instances": [[-1, *VALID[1:]]]}, 422, "instances.0.pixels.0", ""),
+    "no instances key": ({"inputs": [VALID]}, 422, "instances", ""),
+    "instances not a list": ({"instances": VALID[0]}, 422, "instances", ""),
+    "an empty list": ({"instances": []}, 422, "instances", ""),
+    "an extra body field": ({"instances": [VALID], "extra": 1}, 422, "extra", ""),
+    "too many instances": (
+        {"instances": [VALID] * (MAX_INSTANCES + 1)},
+        413,
+        "instances",
+        "at most",
+    ),
+    "malformed JSON": (b'{"instances": [[1, 2', 400, None, "malformed JSON"),
+    "not JSON at all": (b"\xff\xfe garbage", 400, None, "malformed JSON"),
+    "nesting deeper than Python recurses": (b"[" * 10_000, 400, None, "malformed JSON"),
+    "a 5000-digit number": (b'{"instances": [[' + b"1" * 5000 + b"]]}", 400, None, "malformed"),
+    "a body over the limit": (b"[" + b"0," * MAX_BODY_BYTES + b"0]", 413, None, "exceeds"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_request_gets_a_4xx_json_and_the_server_carries_on(base_url, storage, case):
+    body, status, loc, words = BAD_REQUESTS[case]
+    response = predict(base_url, body)
+    assert response.status_code == status, response.text
+    payload = response.json()
+    assert isinstance(payload["error"], str) and words in payload["error"]
+    if loc is not None:
+        assert payload["detail"][0]["loc"] == loc, payload
+    assert_still_serving(base_url, storage)
+
+
+def test_chunked_body_over_the_limit_is_refused_while_it_streams(base_url, storage):
+    def chunks():  # no Content-Length: requests sends Transfer-Encoding: chunked
+        for _ in range(4 * MAX_BODY_BYTES // 1024):
+            yield b" " * 1024
+
+    response = predict(base_url, chunks())
+    assert response.status_code == 413 and "exceeds" in response.json()["error"]
+    assert_still_serving(base_url, storage)
+
+
+def test_unknown_model_name_is_404(base_url, storage):
+    response = predict(base_url, {"instances": [VALID]}, name="digitz")
+    assert response.status_code == 404 and "digitz" in response.json()["error"]
+    assert_still_serving(base_url, storage)
+
+
+# --- other tasks, the deploy config, refusals before any Ray work -----------------------------
+
+
+def deploy(ray_cluster, storage: Path, prefix: str, **app_args) -> None:
+    from ray import serve
+
+    from serve.app import AppArgs, app
+
+    args = AppArgs(**{"num_cpus": 0.5, **app_args, "storage": str(storage)})
+    serve.run(app(args), name=prefix.strip("/"), route_prefix=prefix)
+
+
+def test_charlm_continues_a_prompt(ray_cluster, base_url, storage):
+    deploy(ray_cluster, storage, "/charlm", model="charlm:best")
+    instance = {"prompt": "def main(", "max_new_tokens": 12, "temperature": 0}
+    response = predict(f"{base_url}/charlm", {"instances": [instance]}, name="charlm")
+    assert response.status_code == 200, response.text
+    (served,) = response.json()["predictions"]
+    assert isinstance(served["text"], str) and 0 < len(served["text"]) <= 12
+    assert [served] == offline_predictions(storage, "charlm:best", [instance])
+    too_long = {"prompt": "x", "max_new_tokens": 513}
+    response = predict(f"{base_url}/charlm", {"instances": [too_long]}, name="charlm")
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == "instances.0.max_new_tokens"
+
+
+def test_regression_checks_the_feature_count(ray_cluster, base_url, storage):
+    deploy(ray_cluster, storage, "/regression", model="regression:best")
+    features = [0.1 * i for i in range(8)]  # the debug size has 8 features
+    response = predict(f"{base_url}/regression", {"instances": [features]}, name="regression")
+    assert response.status_code == 200, response.text
+    (served,) = response.json()["predictions"]
+    (expected,) = offline_predictions(storage, "regression:best", [features])
+    assert math.isclose(served["value"], expected["value"], rel_tol=1e-5, abs_tol=1e-6)
+    response = predict(f"{base_url}/regression", {"instances": [features[:7]]}, name="regression")
+    assert response.status_code == 422 and "expected 8 features" in response.text
+
+
+def test_deploy_config_is_valid_and_its_application_serves(ray_cluster, base_url, storage):
+    """serve/config.yaml passes Serve's own schema, binds loopback, and its application (built
+    by the same builder `serve deploy` calls, with the file's args) serves. A `ray start --head`
+    cluster for a real `serve deploy` would double this file's run time."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from serve.app import AppArgs
+
+    schema = ServeDeploySchema.model_validate(
+        yaml.safe_load((REPO / "serve/config.yaml").read_text())
+    )
+    assert (schema.http_options.host, schema.http_options.port) == ("127.0.0.1", 8000)
+    (application,) = schema.applications
+    assert application.import_path == "serve.app:app"
+    args = AppArgs.model_validate(application.args)
+    assert args.model == "digits:best"
+    # Only where the model is looked up, and the CPUs, differ from the file.
+    deploy(ray_cluster, storage, "/from-config", **args.model_dump(exclude={"storage", "num_cpus"}))
+    response = predict(f"{base_url}/from-config", {"instances": [VALID]})
+    assert response.status_code == 200 and len(response.json()["predictions"]) == 1
+
+
+class NoSchemaSize(TaskSize):
+    hidden: int
+
+
+class NoSchemaTask(Task):
+    """A task that trains but declares no serving schemas."""
+
+    metric = "val_loss"
+    mode = "min"
+    Size = NoSchemaSize
+    sizes = {"debug": {"hidden": 4}}
+
+    def build_model(self):
+        return torch.nn.Linear(1, 1)
+
+    def load_data(self, val_fraction, seed):
+        raise NotImplementedError
+
+    def loss_and_stats(self, model, batch):
+        raise NotImplementedError
+
+
+def test_refusals_come_before_any_ray_work(tmp_path, capsys):
+    from serve.app import AppArgs, resolve
+
+    assert cli.main(["serve", "nope:best", "--storage", str(tmp_path)]) == 2
+    assert "no model, run or checkpoint 'nope:best'" in capsys.readouterr().err
+    make_version(tmp_path, "test_serve:NoSchemaTask", steps=0, model_name="plain")
+    with pytest.raises(TypeError, match="cannot be served"):
+        resolve(AppArgs(model="plain:best", storage=str(tmp_path)))
+    assert cli.main(["serve", "plain", "--storage", str(tmp_path)]) == 2
+    assert "needs Instance and Prediction schemas" in capsys.readouterr().err
+    task = build_task("test_serve:NoSchemaTask", "debug")
+    with pytest.raises(NotImplementedError, match="cannot be served"):
+        task.predict(task.build_model(), [])
+    assert json.loads(json.dumps(AppArgs(model="x").model_dump()))["max_body_bytes"] == 1 << 20
