@@ -60,6 +60,33 @@ def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, relay_home):
     assert json.loads((Path(result.sweep_dir) / "result.json").read_text())["model"] == result.model
 
 
+def test_placement_groups_of_dead_actors_are_released(ray_cluster):
+    """What a sweep does for trials Tune killed mid-run: their worker groups' CPUs come back."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    from relay import cluster
+
+    @ray.remote(num_cpus=0)
+    class Creator:
+        def reserve(self) -> None:
+            ray.get(placement_group([{"CPU": 1}]).ready())
+
+    mine = placement_group([{"CPU": 1}])  # the driver's own group must survive
+    ray.get(mine.ready())
+    creator = Creator.remote()
+    ray.get(creator.reserve.remote())
+    assert cluster.release_orphaned_placement_groups() == 0  # its creator still lives
+    ray.kill(creator)
+    deadline = time.monotonic() + 30
+    released = 0
+    while not released and time.monotonic() < deadline:
+        released = cluster.release_orphaned_placement_groups()
+        time.sleep(0.2)
+    assert released == 1
+    ray.util.remove_placement_group(mine)
+
+
 def test_sweep_config_errors_name_the_field():
     base = yaml.safe_load((REPO / "jobs/configs/digits-sweep.yaml").read_text())
     base["train"] = yaml.safe_load((REPO / "jobs/configs/digits.yaml").read_text())

@@ -7,6 +7,7 @@ parts (model, data, loss, metrics) live in the task. What remains here is the ep
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -56,12 +57,27 @@ def build_scheduler(
 
 
 def _maybe_inject_fault(cfg: FaultInjection, epoch: int, run_dir: Path) -> None:
-    """Testing aid: SIGKILL this worker process once, to prove recovery from a real death."""
+    """Testing aid: SIGKILL this worker process once, to prove recovery from a real death.
+
+    It first waits (a while, not forever) until Ray Train has registered the previous epoch's
+    checkpoint: a checkpoint reported just before a crash may not be registered yet, and the
+    aid is meant to show what a registered checkpoint saves, not to race the controller.
+    """
     if cfg.kill_rank != parallel.rank() or cfg.kill_at_epoch != epoch:
         return
     marker = run_dir / f".fault-injected-rank{cfg.kill_rank}"
     if marker.exists():
         return
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"  # Ray Train's record of checkpoints
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            latest = json.loads(snapshot.read_text())["latest_checkpoint_result"]["metrics"]
+            if latest["epoch"] >= epoch - 1:
+                break
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        time.sleep(0.1)
     marker.write_text(f"killed at epoch {epoch}\n")
     os.kill(os.getpid(), signal.SIGKILL)
 

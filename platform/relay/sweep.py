@@ -193,7 +193,8 @@ def run(
             f"{cfg.train.scaling.num_workers} workers per trial, "
             f"ASHA {'on' if cfg.asha.enabled else 'off'} (max_t {cfg.asha.max_t})\n"
         )
-    grid = _tuner(cfg, sweep_id, storage, out, restore=resume is not None).fit()
+    with cluster.reclaiming_orphans():
+        grid = _tuner(cfg, sweep_id, storage, out, restore=resume is not None).fit()
     return _summarize(cfg, sweep_id, sweep_dir, storage, grid, out)
 
 

@@ -1,0 +1,100 @@
+"""The whole path on one embedded Ray cluster: train → ASHA sweep → serve the best → HTTP.
+
+    make demo                      # or: .venv/bin/python jobs/demo.py [--quick]
+
+1. trains `digits` with 2 DDP workers (jobs/configs/digits.yaml), one line per epoch;
+2. runs a small ASHA sweep over the learning rate and width (each trial its own TorchTrainer);
+3. serves `digits:best` — the best of all registered versions — with Ray Serve on 127.0.0.1;
+4. sends real HTTP requests with held-out images and prints the predictions next to the labels;
+5. shuts Serve and the cluster down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # serve/app.py lives in the repository, beside jobs/
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="train → tune → serve, end to end")
+    parser.add_argument("--quick", action="store_true", help="debug sizes and few epochs")
+    args = parser.parse_args()
+
+    import ray
+    from ray import serve
+
+    import relay
+    from relay import cluster, sweep
+    from relay.config import load_sweep
+    from relay.tasks import build_task
+    from serve.app import AppArgs, build, resolve
+
+    quick = ["size=debug", "epochs=3"] if args.quick else []
+    cluster.connect()
+
+    print("== 1. train digits with 2 DDP workers")
+    trained = relay.train(relay.load_config(REPO / "jobs/configs/digits.yaml", quick))
+
+    print("\n== 2. ASHA sweep (every trial is its own TorchTrainer run)")
+    sweep_overrides = ["num_samples=4", "workers_per_trial=1", "asha.max_t=6"]
+    if args.quick:
+        sweep_overrides += ["train.size=debug", "asha.max_t=3", "asha.grace_period=1"]
+    tuned = sweep.run(load_sweep(REPO / "jobs/configs/digits-sweep.yaml", sweep_overrides))
+
+    print("\n== 3. serve digits:best on 127.0.0.1")
+    port = free_port()
+    app_args = AppArgs(model="digits:best")  # same storage root as the runs: $RELAY_HOME, ~/relay
+    info = resolve(app_args)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build(info, app_args), name="relay-demo", route_prefix="/")
+    base = f"http://127.0.0.1:{port}/v1/models/{info.name}"
+    print(f"serving {info.reference} (train run {trained.model}, sweep best {tuned.model})")
+
+    print(f"\n== 4. POST {base}:predict")
+    task = build_task("digits", "default")
+    split = task.load_data(val_fraction=0.2, seed=0)
+    images, labels = split.val["x"][:8], split.val["y"][:8]
+    reply = post(f"{base}:predict", {"instances": [{"pixels": img.tolist()} for img in images]})
+    correct = 0
+    for label, prediction in zip(labels, reply["predictions"], strict=True):
+        confidence = max(prediction["probabilities"])
+        correct += prediction["label"] == label
+        print(f"  true {label}  predicted {prediction['label']}  ({confidence:.0%})")
+    print(f"  {correct}/{len(labels)} correct")
+    bad = urllib.request.Request(
+        f"{base}:predict", b'{"instances": [[99]]}', {"Content-Type": "application/json"}
+    )
+    try:
+        urllib.request.urlopen(bad, timeout=30)
+    except urllib.error.HTTPError as exc:
+        print(f"  a bad request gets {exc.code}: {json.load(exc)['error']}")
+
+    print("\n== 5. shut down")
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
