@@ -14,8 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $@
 
+# The whole path on an embedded local cluster: train, ASHA sweep, serve the best, HTTP requests.
 demo: venv
-	$(BIN)/relay train jobs/configs/digits.yaml
+	$(BIN)/python jobs/demo.py
 
 test: venv
 	$(BIN)/python -m pytest tests
