@@ -253,13 +253,14 @@ def _best_checkpoint(cfg: SweepConfig, storage: Path, run_id: str) -> tuple[str 
 
 def _summarize(cfg, sweep_id, sweep_dir, storage, grid, out) -> SweepResult:
     trials = sorted((_trial_summary(cfg, sweep_id, r) for r in grid), key=lambda t: t["trial_id"])
-    for trial in trials:  # ASHA ends a stopped trial's run from outside: say so in its record
+    # ASHA ends a stopped trial's run from outside — mid-run, so its record says "running", or
+    # "failed" when the kill reached fit() before the actor died. Tune's verdict is the truth.
+    for trial in (t for t in trials if t["status"] == "stopped"):
         run_dir = registry.runs_root(storage) / trial["run_id"]
         if (run_dir / registry.RECORD).exists():
             record = registry.get_run(storage, trial["run_id"])
-            if record.get("status") == "running":
-                status = "failed" if trial["status"] == "error" else "stopped"
-                registry.write(run_dir, {**record, "status": status, "metrics": trial["metrics"]})
+            record.pop("error", None)
+            registry.write(run_dir, {**record, "status": "stopped", "metrics": trial["metrics"]})
 
     scored = [t for t in trials if t["best_score"] is not None]
     best, model = None, None
