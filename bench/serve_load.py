@@ -3,7 +3,8 @@
 What serving through relay (serve/app.py on Ray Serve) costs or gains over a plain FastAPI +
 uvicorn server running the same model on the same machine, measured in one run.
 
-The model: a `digits` MLP (`--size`, default "default": 64 → 256 → 128 → 10) saved as a relay
+The model: a `digits` MLP (`--size`, default "default": 64 → 256 → 128 → 10; `--hidden 2048,2048`
+for one whose forward outweighs the proxy hop) saved as a relay
 checkpoint and registered as `digits:1` in a temporary storage root. Three servers, each on a
 free 127.0.0.1 port, each answering `POST /v1/models/digits:predict` with one image per request
 (KServe v1 body), validated with the task's `Instance` schema and predicted with `task.predict`:
@@ -51,6 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--seconds", type=float, default=6.0, help="measured seconds per level")
     parser.add_argument("--size", default="default", help="digits size preset")
+    parser.add_argument(
+        "--hidden",
+        help="override the MLP's hidden widths, e.g. 2048,2048: a model whose forward costs "
+        "more than the proxy hop, where batching shows what it buys",
+    )
     parser.add_argument(
         "--direct-ingress", action="store_true", help="Serve with direct ingress (see docstring)"
     )
@@ -181,14 +187,17 @@ def measure(label: str, port: int, body: bytes, seconds: float) -> dict[int, dic
 # --- set-up ----------------------------------------------------------------------------------
 
 
-def make_checkpoint(storage: Path, size: str) -> str:
+def make_checkpoint(storage: Path, size: str, hidden: str | None = None) -> str:
     """A digits model registered as digits:1 (weights as initialised: speed, not accuracy)."""
     import torch
 
     from relay import checkpoint, config, registry
     from relay.tasks import build_task
 
-    cfg = config.from_dict({"task": MODEL, "size": size, "storage": str(storage)})
+    model_overrides = {"hidden": [int(w) for w in hidden.split(",")]} if hidden else {}
+    cfg = config.from_dict(
+        {"task": MODEL, "size": size, "model": model_overrides, "storage": str(storage)}
+    )
     torch.manual_seed(0)
     model = build_task(cfg.task, cfg.size, cfg.model).build_model()
     directory = storage / "runs" / "bench" / "epoch_0000"
@@ -263,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     body = request_body()
     with tempfile.TemporaryDirectory(prefix="relay-serve-bench-") as tmp:
         storage = Path(tmp)
-        checkpoint_dir = make_checkpoint(storage, args.size)
+        checkpoint_dir = make_checkpoint(storage, args.size, args.hidden)
         plain = measure_plain(checkpoint_dir, body, args.seconds)
         relay = measure_relay(storage, body, args.seconds, args.direct_ingress)
     batched = relay["relay batched"][32]
@@ -278,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     summary |= {
         "levels": {"plain": plain, **relay},
         "setup": {
-            "model": f"{MODEL} ({args.size})",
+            "model": f"{MODEL} ({args.size}, hidden {args.hidden or 'preset'})",
             "seconds_per_level": args.seconds,
             "direct_ingress": args.direct_ingress,
             "cpus": os.cpu_count(),
