@@ -123,8 +123,12 @@ def _finished_trials(storage: Path) -> dict[str, str]:
 
 def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path):
     storage = tmp_path / "storage"
-    spec = sweep_config(storage, max_concurrent_trials=1, asha={"enabled": False, "max_t": 2})
-    spec.search = {"optim.lr": {"grid": [3e-3, 1e-2, 3e-2]}}
+    spec = sweep_config(
+        storage,
+        max_concurrent_trials=1,
+        asha={"enabled": False, "max_t": 2},
+        search={"optim.lr": {"grid": [3e-3, 1e-2, 3e-2]}},
+    )
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(json.loads(spec.model_dump_json())))
     env = subprocess_env()

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import ray
+
+from relay import background
 
 # Ray Train's controller polls workers this often and each `ray.train.report` waits for the poll;
 # at Ray's default (2 s) short epochs would spend most of their time waiting. The driver's value
@@ -90,19 +91,10 @@ def release_orphaned_placement_groups() -> int:
 def reclaiming_orphans(interval_s: float = 2.0, settle_s: float = 10.0) -> Iterator[None]:
     """Release orphaned placement groups every `interval_s` while the block runs, and at its
     end until no group created by an actor remains (at most `settle_s`)."""
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.wait(interval_s):
-            release_orphaned_placement_groups()
-
-    thread = threading.Thread(target=loop, name="relay-pg-reclaim", daemon=True)
-    thread.start()
     try:
-        yield
+        with background.every(interval_s, release_orphaned_placement_groups, "relay-pg-reclaim"):
+            yield
     finally:
-        stop.set()
-        thread.join()
         deadline = time.monotonic() + settle_s
         while time.monotonic() < deadline:
             release_orphaned_placement_groups()

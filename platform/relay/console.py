@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
-from relay import history
+from relay import background, history
 
 _SKIP = {"epoch", "samples_per_s", "epoch_s", "lr", "time"}
 
@@ -35,7 +34,6 @@ def follow(run_dir: Path, epochs: int, out: TextIO | None = sys.stdout) -> Itera
     if out is None:
         yield
         return
-    stop = threading.Event()
     printed = 0
 
     def flush() -> None:
@@ -46,15 +44,5 @@ def follow(run_dir: Path, epochs: int, out: TextIO | None = sys.stdout) -> Itera
             out.flush()
         printed = len(records)
 
-    def poll() -> None:
-        while not stop.wait(0.2):
-            flush()
-
-    thread = threading.Thread(target=poll, name="relay-progress", daemon=True)
-    thread.start()
-    try:
+    with background.every(0.2, flush, "relay-progress"):
         yield
-    finally:
-        stop.set()
-        thread.join()
-        flush()
