@@ -15,6 +15,7 @@ import argparse
 import json
 import socket
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
