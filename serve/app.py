@@ -59,6 +59,8 @@ from ray import serve
 from ray.serve.deployment import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from relay.config import NAME_PATTERN
+
 MIB = 1 << 20
 
 
@@ -77,7 +79,7 @@ class AppArgs(BaseModel):
     storage: str | None = Field(None, description="Storage root; null: $RELAY_HOME, ~/relay.")
     name: str | None = Field(
         None,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",  # as registry names: one URL path segment
+        pattern=NAME_PATTERN,  # as registry names: one URL path segment
         description="Model name in URLs; null: the registry model name (or the task's).",
     )
     replicas: int = Field(1, ge=1, description="Replicas (the minimum when autoscaling).")

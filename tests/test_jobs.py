@@ -74,18 +74,25 @@ def head_node():
         log.close()
 
 
-def test_job_submit_trains_and_registers(head_node, tmp_path):
+def submit_train(head_node, config: str, storage: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`ray job submit --working-dir . -- python jobs/train.py CONFIG` (debug size, 2 epochs)."""
     address, env = head_node
-    storage = tmp_path / "storage"
     submit = subprocess.run(
         [
             str(BIN / "ray"), "job", "submit", f"--address={address}", "--working-dir", ".",
-            "--", "python", "jobs/train.py", "jobs/configs/digits.yaml",
-            "--set", "size=debug", "--set", "epochs=2", "--set", f"storage={storage}", "--json",
+            "--", "python", "jobs/train.py", config,
+            "--set", "size=debug", "--set", "epochs=2", "--set", f"storage={storage}", *extra,
         ],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
+    return submit
+
+
+def test_job_submit_trains_and_registers(head_node, tmp_path):
+    _, env = head_node
+    storage = tmp_path / "storage"
+    submit = submit_train(head_node, "jobs/configs/digits.yaml", storage, "--json")
     assert "succeeded" in submit.stdout
     result_line = next(
         line for line in reversed(submit.stdout.splitlines()) if line.startswith('{"run_id"')
@@ -105,17 +112,8 @@ def test_job_submit_trains_and_registers(head_node, tmp_path):
 
 
 def test_job_submit_runs_a_user_task_from_the_working_dir(head_node, tmp_path):
-    address, env = head_node
     storage = tmp_path / "storage"
-    submit = subprocess.run(
-        [
-            str(BIN / "ray"), "job", "submit", f"--address={address}", "--working-dir", ".",
-            "--", "python", "jobs/train.py", "examples/sine.yaml",
-            "--set", "size=debug", "--set", "epochs=2", "--set", f"storage={storage}",
-        ],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
+    submit_train(head_node, "examples/sine.yaml", storage)
     (record,) = registry.list_runs(storage)
     assert record["task"] == "examples.sine:SineTask"
     assert record["status"] == "finished"

@@ -118,13 +118,21 @@ class FaultInjection(_Section):
     )
 
 
-class RunConfig(_Section):
-    name: str = Field(
-        "run",
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+# Names become directory names and URL path segments: letters, digits, '_', '.', '-'.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+
+def _name_field(default: str, what: str):
+    return Field(
+        default,
+        pattern=NAME_PATTERN,
         max_length=64,
-        description="Run name prefix; the run id is `<name>-<timestamp>-<suffix>`.",
+        description=f"{what} name prefix; the {what.lower()} id is `<name>-<timestamp>-<suffix>`.",
     )
+
+
+class RunConfig(_Section):
+    name: str = _name_field("run", "Run")
     task: str = Field(
         ..., description='A built-in task name, or a user task as "package.module:Class".'
     )
@@ -213,17 +221,21 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def set_dotted(data: dict[str, Any], path: list[str], value: Any) -> None:
+    """`data[path[0]][path[1]]... = value`, creating sections on the way."""
+    node = data
+    for depth, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(path[: depth + 1])
+            raise ConfigError(f"{where}: is not a section, cannot set {'.'.join(path)}")
+        node = child
+    node[path[-1]] = value
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     for text in overrides:
-        path, value = parse_override(text)
-        node = data
-        for depth, part in enumerate(path[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                where = ".".join(path[: depth + 1])
-                raise ConfigError(f"{where}: is not a section, cannot set {'.'.join(path)}")
-            node = child
-        node[path[-1]] = value
+        set_dotted(data, *parse_override(text))
     return data
 
 
@@ -314,12 +326,7 @@ class SweepConfig(BaseModel):
     # whole sweep on each of those assignments would run the validator again.
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(
-        "sweep",
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
-        max_length=64,
-        description="Sweep name prefix; the sweep id is `<name>-<timestamp>-<suffix>`.",
-    )
+    name: str = _name_field("sweep", "Sweep")
     train: RunConfig = Field(
         ..., description="The train config every trial starts from (a mapping, or a YAML path)."
     )
@@ -368,14 +375,7 @@ def trial_config(base: dict[str, Any], params: dict[str, Any]) -> RunConfig:
 
     data = copy.deepcopy(base)
     for key, value in params.items():
-        node = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"{key}: {part} is not a section")
-            node = child
-        node[parts[-1]] = value
+        set_dotted(data, key.split("."), value)
     return from_dict(data)
 
 

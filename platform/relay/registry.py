@@ -15,6 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from relay.config import NAME_PATTERN
+
 RECORD = "run.json"
 
 
@@ -57,7 +59,7 @@ def get_run(storage: Path, run_id: str) -> dict[str, Any]:
 # `<storage>/models/<name>/<version>.json`, one file per version, created exclusively so two
 # registrations never get the same number. The aliases `latest` and `best` are derived on read.
 
-MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+MODEL_NAME = re.compile(NAME_PATTERN)
 
 
 def models_root(storage: Path) -> Path:
