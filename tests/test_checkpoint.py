@@ -50,7 +50,10 @@ def test_round_trip(tmp_path, name):
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, weight_decay=0.1)
     fresh_sched = build_scheduler(ScheduleConfig(name="cosine"), fresh_opt, 10, 3)
     state = checkpoint.load_train_state(tmp_path)
-    fresh_opt.load_state_dict(state.optimizer)
+    # Saved keyed by parameter name (portable across strategies), loaded by position.
+    names = [name for name, _ in fresh.named_parameters()]
+    assert set(state.optimizer["state"]) == set(names)
+    fresh_opt.load_state_dict(checkpoint.optimizer_state_by_index(state.optimizer, names))
     fresh_sched.load_state_dict(state.scheduler)
     saved, restored = optimizer.state_dict(), fresh_opt.state_dict()
     assert saved["param_groups"] == restored["param_groups"]

@@ -1,8 +1,13 @@
 """A checkpoint is a directory anyone can read:
 
-model.safetensors   weights of the plain (unwrapped) module — data, never pickled code
-train_state.pt      optimizer and scheduler state (tensors and numbers; loaded weights_only)
+model.safetensors   full weights of the plain module — data, never pickled code
+train_state.pt      optimizer state keyed by parameter name, scheduler and loss-scaler state
+                    (tensors and numbers; loaded weights_only)
 meta.json           config, epoch, metrics, and the relay/ray/torch versions that wrote it
+
+Whatever strategy and worker count wrote it (ddp, zero1 and fsdp gather their shards on rank 0
+first), the format is the same: a run resumes under another strategy or worker count with
+weights, optimizer moments, schedule position and epoch all kept, and Serve loads it unchanged.
 """
 
 from __future__ import annotations
@@ -50,18 +55,61 @@ def save(
     scheduler: Any = None,
     meta: dict[str, Any],
 ) -> Path:
-    """Write a checkpoint of a plain module (the caller unwraps DDP & co. first)."""
+    """Write a checkpoint of a plain (unwrapped, unsharded) module and its optimizer."""
+    names = [name for name, _ in module.named_parameters()]
+    return save_state(
+        directory,
+        weights=_plain_state(module),
+        optimizer=optimizer_state_by_name(optimizer.state_dict(), names) if optimizer else None,
+        scheduler=scheduler.state_dict() if scheduler is not None else None,
+        meta=meta,
+    )
+
+
+def save_state(
+    directory: str | Path,
+    *,
+    weights: dict[str, torch.Tensor],
+    optimizer: dict[str, Any] | None = None,
+    scheduler: dict[str, Any] | None = None,
+    scaler: dict[str, Any] | None = None,
+    meta: dict[str, Any],
+) -> Path:
+    """Write full weights and name-keyed train state (see `parallel.Engine.full_state`)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(_plain_state(module), directory / WEIGHTS)
-    train_state = {}
-    if optimizer is not None:
-        train_state["optimizer"] = optimizer.state_dict()
-    if scheduler is not None:
-        train_state["scheduler"] = scheduler.state_dict()
-    torch.save(train_state, directory / TRAIN_STATE)
+    save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, directory / WEIGHTS)
+    train_state = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+    torch.save({k: v for k, v in train_state.items() if v}, directory / TRAIN_STATE)
     (directory / META).write_text(json.dumps({**meta, "versions": versions()}, indent=2))
     return directory
+
+
+def optimizer_state_by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """torch's optimizer state (keyed by position in `names`) → keyed by parameter name, so it
+    does not depend on how a strategy ordered or partitioned the parameters."""
+    return {
+        "state": {names[i]: value for i, value in state["state"].items() if value},
+        "param_groups": [
+            {**group, "params": [names[i] for i in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }
+
+
+def optimizer_state_by_index(named: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of `optimizer_state_by_name`, for an optimizer built over `names`."""
+    index = {name: i for i, name in enumerate(names)}
+    unknown = sorted(set(named["state"]) - set(index))
+    if unknown:
+        raise ValueError(f"optimizer state for parameters the model lacks: {unknown[:5]}")
+    return {
+        "state": {index[name]: value for name, value in named["state"].items()},
+        "param_groups": [
+            {**group, "params": [index[name] for name in group["params"]]}
+            for group in named["param_groups"]
+        ],
+    }
 
 
 def load_weights(directory: str | Path, module: nn.Module) -> nn.Module:
@@ -86,13 +134,14 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
 
 @dataclass
 class TrainState:
-    optimizer: dict[str, Any] | None
+    optimizer: dict[str, Any] | None  # keyed by parameter name
     scheduler: dict[str, Any] | None
+    scaler: dict[str, Any] | None
 
 
 def load_train_state(directory: str | Path) -> TrainState:
     state = torch.load(Path(directory) / TRAIN_STATE, map_location="cpu", weights_only=True)
-    return TrainState(state.get("optimizer"), state.get("scheduler"))
+    return TrainState(state.get("optimizer"), state.get("scheduler"), state.get("scaler"))
 
 
 def load_model(directory: str | Path):

@@ -1,4 +1,4 @@
-"""`relay train|runs|config` — thin: parse, validate, call the API, print.
+"""`relay train|tune|plan|runs|config` — thin: parse, validate, call the API, print.
 
 Exit codes: 0 success, 1 the run failed, 2 bad usage or an invalid config (found before any
 cluster work: Ray is not even imported until the config is valid).
@@ -62,6 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("config", help="validate a config and print it fully resolved")
     _add_config_args(check)
+
+    plan = sub.add_parser(
+        "plan", help="memory per rank under ddp, zero1 and fsdp, measured from the real model"
+    )
+    _add_config_args(plan)
+    plan.add_argument(
+        "--workers", type=int, help="workers to plan for (default: the config's max workers)"
+    )
+    plan.add_argument(
+        "--device-memory",
+        help="memory of one device, e.g. 80GiB, 80GB, 512MiB or 1e9 (bytes); default: the "
+        "GPU's, else this machine's RAM",
+    )
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
 
     sub.add_parser("reference", help="print the config reference (Markdown)")
 
@@ -130,6 +144,24 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, args.overrides)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.workers is not None and args.workers < 1:
+        return _fail(f"--workers must be >= 1, got {args.workers}", EXIT_USAGE)
+    cfg = config_mod.load(args.config, args.overrides)
+    from relay import plan  # imports Ray's train module: only once the config is known to be good
+
+    if args.device_memory is None:
+        memory, source = plan.default_device_memory()
+    else:
+        try:
+            memory, source = plan.parse_bytes(args.device_memory), ""
+        except ValueError as exc:
+            return _fail(f"--device-memory: {exc}", EXIT_USAGE)
+    report = plan.plan(cfg, args.workers or cfg.scaling.max_workers, memory, source)
+    print(json.dumps(report) if args.json else plan.render(report))
     return 0
 
 
@@ -216,6 +248,7 @@ COMMANDS = {
     "train": _cmd_train,
     "tune": _cmd_tune,
     "config": _cmd_config,
+    "plan": _cmd_plan,
     "runs": _cmd_runs,
     "reference": _cmd_reference,
     "models": _cmd_models,

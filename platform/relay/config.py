@@ -53,7 +53,12 @@ class ScheduleConfig(_Section):
 
 
 class ScalingConfig(_Section):
-    num_workers: int = Field(2, ge=1, description="DDP workers (Ray Train worker actors).")
+    num_workers: int | tuple[int, int] = Field(
+        2,
+        description="Workers (Ray Train worker actors), or [min, max] for elastic training: "
+        "the run starts with as many as fit (at least min) and continues with fewer after a "
+        "node is lost.",
+    )
     use_gpu: bool = Field(False, description="One GPU per worker, NCCL backend; else CPU, gloo.")
     resources_per_worker: dict[str, float] | None = Field(
         None,
@@ -68,6 +73,33 @@ class ScalingConfig(_Section):
         description="torch intra-op threads per worker; null: the worker's reserved CPUs.",
     )
 
+    @field_validator("num_workers")
+    @classmethod
+    def _valid_workers(cls, value: int | tuple[int, int]) -> int | tuple[int, int]:
+        low, high = (value, value) if isinstance(value, int) else value
+        if low < 1:
+            raise ValueError(f"must be >= 1, got {low}")
+        if low > high:
+            raise ValueError(f"[min, max]: min ({low}) must not exceed max ({high})")
+        return value
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers != self.max_workers
+
+    def describe(self) -> str:
+        if self.elastic:
+            return f"{self.min_workers}-{self.max_workers} workers (elastic)"
+        return f"{self.max_workers} workers"
+
     @field_validator("resources_per_worker")
     @classmethod
     def _non_negative(cls, value: dict[str, float] | None) -> dict[str, float] | None:
@@ -75,6 +107,43 @@ class ScalingConfig(_Section):
             if amount < 0:
                 raise ValueError(f"resource {key!r} must be >= 0, got {amount}")
         return value
+
+
+class ParallelConfig(_Section):
+    """How the model, its gradients and its optimizer state are spread over the workers.
+
+    Every strategy trains the same model to the same result (up to float rounding) and
+    writes the same portable checkpoint; they differ in memory per worker and communication.
+    """
+
+    strategy: Literal["ddp", "zero1", "fsdp"] = Field(
+        "ddp",
+        description="ddp: full replicas, gradients all-reduced; zero1: optimizer state "
+        "sharded (ZeroRedundancyOptimizer); fsdp: parameters, gradients and optimizer state "
+        "sharded (FSDP2, ZeRO-3).",
+    )
+    reshard_after_forward: bool = Field(
+        True,
+        description="fsdp only: free gathered parameters after forward (ZeRO-3); false keeps "
+        "them until backward (≈ ZeRO-2: more memory, less communication).",
+    )
+    mixed_precision: Literal["none", "bf16", "fp16"] = Field(
+        "none",
+        description="Compute dtype of forward/backward; weights and optimizer stay fp32. "
+        "fp16 adds a loss scaler.",
+    )
+    grad_accum: int = Field(
+        1,
+        ge=1,
+        description="Micro-batches of `batch_size` per optimizer step; gradients are "
+        "synchronised only on the last.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each block's activations in backward instead of keeping them "
+        "(less memory, ~1/3 more compute).",
+    )
+    compile: bool = Field(False, description="torch.compile the model (slow first step).")
 
 
 class CheckpointConfig(_Section):
@@ -145,6 +214,9 @@ class RunConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="LR schedule.")
     scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="Worker group.")
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig, description="Parallelism strategy and precision."
+    )
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpointing."
     )

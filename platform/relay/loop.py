@@ -7,6 +7,7 @@ parts (model, data, loss, metrics) live in the task. What remains here is the ep
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import signal
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +23,26 @@ import ray.train
 import torch
 from torch import nn
 
-from relay import checkpoint, history, parallel
+from relay import checkpoint, efficiency, history, parallel
 from relay.config import FaultInjection, OptimConfig, RunConfig, ScheduleConfig
 from relay.data import ShardBatches
 from relay.tasks import Task, build_task
 from relay.tasks.base import Batch
 
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def optimizer_spec(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """(optimizer class, its keyword arguments): a strategy may build it over a shard."""
+    kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    if cfg.name == "sgd":
+        kwargs["momentum"] = cfg.momentum
+    return OPTIMIZERS[cfg.name], kwargs
+
 
 def build_optimizer(cfg: OptimConfig, params) -> torch.optim.Optimizer:
-    if cfg.name == "sgd":
-        return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-        )
-    optimizer_cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
-    return optimizer_cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer_class, kwargs = optimizer_spec(cfg)
+    return optimizer_class(params, **kwargs)
 
 
 def build_scheduler(
@@ -82,40 +90,71 @@ def _maybe_inject_fault(cfg: FaultInjection, epoch: int, run_dir: Path) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _run_epoch(
-    task: Task,
-    model: nn.Module,
-    batches,
-    *,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler=None,
-    grad_clip: float | None = None,
-) -> dict[str, float]:
-    """One pass over `batches`; trains when given an optimizer, else evaluates.
+def _micro_batch_groups(batches: Iterable[Batch], size: int) -> Iterator[list[Batch]]:
+    """Consecutive groups of `size` micro-batches: one optimizer step each (the last may be
+    shorter)."""
+    iterator = iter(batches)
+    while group := list(itertools.islice(iterator, size)):
+        yield group
 
-    Statistics stay on the device and are summed across ranks once at the end, so the hot path
-    never waits on a host sync or a collective of its own.
-    """
-    training = optimizer is not None
-    model.train(training)
-    sums: Batch = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-    with torch.set_grad_enabled(training):
-        for batch in batches:
-            loss, stats = task.loss_and_stats(model, batch)
-            if training:
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if grad_clip is not None:
-                    nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-                optimizer.step()
-                scheduler.step()
-            for name, value in stats.items():
-                sums[name] = sums[name].to(value.device) + value.detach().double()
-    return parallel.sum_across_ranks(sums)
+
+class Epochs:
+    """Runs training and evaluation epochs over one `parallel.Engine`, and keeps the counts
+    the efficiency report needs (samples, seconds, optimizer steps) for this process."""
+
+    def __init__(self, task: Task, engine: parallel.Engine, scheduler, cfg: RunConfig) -> None:
+        self.task, self.engine, self.scheduler, self.cfg = task, engine, scheduler, cfg
+        self.first_step_at: float | None = None
+        self.train_s = 0.0
+        self.optimizer_steps = 0
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def train(self, batches: Iterable[Batch]) -> dict[str, float]:
+        """One training pass. Statistics stay on the device and are summed across ranks once
+        at the end, so the hot path never waits on a host sync or a collective of its own."""
+        engine = self.engine
+        engine.model.train()
+        sums: Batch = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        started = time.perf_counter()
+        for group in _micro_batch_groups(batches, self.cfg.parallel.grad_accum):
+            engine.zero_grad()
+            for i, batch in enumerate(group):
+                # Gradients are synchronised once per optimizer step, on its last micro-batch.
+                with engine.micro_step(sync=i == len(group) - 1):
+                    loss, stats = self.task.loss_and_stats(engine.model, batch)
+                    engine.backward(loss / len(group))
+                _accumulate(sums, stats)
+            engine.step(self.cfg.optim.grad_clip)
+            self.scheduler.step()
+            self.optimizer_steps += 1
+            if self.first_step_at is None:
+                self.first_step_at = time.time()
+        parallel.synchronize()
+        elapsed = time.perf_counter() - started
+        totals = parallel.sum_across_ranks(sums)
+        self.train_s += elapsed
+        self.totals["samples"] += totals["count"]
+        self.totals["units"] += totals.get(self.task.throughput_stat, totals["count"])
+        return {**totals, "train_s": elapsed}
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
+        self.engine.model.eval()
+        sums: Batch = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        with self.engine.autocast():
+            for batch in batches:
+                _accumulate(sums, self.task.loss_and_stats(self.engine.model, batch)[1])
+        return parallel.sum_across_ranks(sums)
+
+
+def _accumulate(sums: Batch, stats: Batch) -> None:
+    for name, value in stats.items():
+        sums[name] = sums[name].to(value.device) + value.detach().double()
 
 
 def _restore(model: nn.Module, ckpt: ray.train.Checkpoint | None) -> tuple[int, Any]:
-    """Load the latest checkpoint into the plain model; returns (next epoch, train state)."""
+    """Load the latest checkpoint's full weights into the plain model (before any strategy
+    wraps or shards it); returns (next epoch, train state)."""
     if ckpt is None:
         return 1, None
     with ckpt.as_directory() as directory:
@@ -126,7 +165,8 @@ def _restore(model: nn.Module, ckpt: ray.train.Checkpoint | None) -> tuple[int, 
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
-    """Train `loop_config["run"]` (a RunConfig as a dict) on this worker; see train.py."""
+    """Train `loop_config["run"]` (a RunConfig as a dict) on this worker; see trainer.py."""
+    loop_started_at = time.time()
     cfg = RunConfig.model_validate(loop_config["run"])
     run_dir = Path(loop_config["run_dir"])
     parallel.set_threads(cfg.scaling.threads_per_worker, loop_config["cpus_per_worker"])
@@ -136,13 +176,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
     model = task.build_model()
     start_epoch, train_state = _restore(model, ray.train.get_checkpoint())
-    model = parallel.wrap_model(model)
+    engine = parallel.Engine(model, cfg.parallel, *optimizer_spec(cfg.optim))
 
-    optimizer = build_optimizer(cfg.optim, model.parameters())
-    steps_per_epoch = math.ceil(loop_config["train_rows_per_worker"] / cfg.batch_size)
-    scheduler = build_scheduler(cfg.schedule, optimizer, steps_per_epoch, cfg.epochs)
+    # The world size is known only here: an elastic run may restart with fewer workers.
+    # streaming_split(equal=True) gives each worker floor(rows / workers) rows.
+    rows_per_worker = loop_config["train_rows"] // parallel.world_size()
+    micro_batches = math.ceil(rows_per_worker / cfg.batch_size)
+    steps_per_epoch = math.ceil(micro_batches / cfg.parallel.grad_accum)
+    scheduler = build_scheduler(cfg.schedule, engine.optimizer, steps_per_epoch, cfg.epochs)
     if train_state is not None:
-        optimizer.load_state_dict(train_state.optimizer)
+        engine.load_optimizer_state(train_state.optimizer)
+        engine.load_scaler_state(train_state.scaler)
         scheduler.load_state_dict(train_state.scheduler)
 
     def batches(name: str, shuffle: bool) -> ShardBatches:
@@ -160,51 +204,65 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     train_data.load()
     val_data.load()
 
+    epochs = Epochs(task, engine, scheduler, cfg)
     for epoch in range(start_epoch, cfg.epochs + 1):
         _maybe_inject_fault(cfg.fault_injection, epoch, run_dir)
         started = time.perf_counter()
-        train = _run_epoch(
-            task,
-            model,
-            train_data.epoch(epoch),
-            optimizer=optimizer,
-            scheduler=scheduler,
-            grad_clip=cfg.optim.grad_clip,
-        )
-        train_s = time.perf_counter() - started
-        val = _run_epoch(task, model, val_data.epoch(epoch))
+        train = epochs.train(train_data.epoch(epoch))
+        val = epochs.evaluate(val_data.epoch(epoch))
         metrics = {
             "epoch": epoch,
             **{f"train_{k}": v for k, v in task.summarize(train).items()},
             **{f"val_{k}": v for k, v in task.summarize(val).items()},
-            "samples_per_s": train["count"] / train_s,
+            "samples_per_s": train["count"] / train["train_s"],
             "epoch_s": time.perf_counter() - started,
             "lr": scheduler.get_last_lr()[0],
+            "workers": parallel.world_size(),
         }
-        _report(cfg, run_dir, epoch, metrics, model, optimizer, scheduler)
+        _report(cfg, run_dir, epoch, metrics, engine, scheduler)
 
-    digests = parallel.gather_objects(parallel.state_digest(model))
+    report = None
+    if epochs.optimizer_steps:
+        probe = next(iter(train_data.epoch(0)))
+        report = efficiency.measure(task, engine, epochs, probe, cfg)
+    digests = parallel.gather_objects(engine.replica_digest())
     if not parallel.is_main():
         return None
-    return {"replica_digests": digests, "start_epoch": start_epoch}
+    return {
+        "replica_digests": digests,
+        "start_epoch": start_epoch,
+        "efficiency": report,
+        "loop_started_at": loop_started_at,
+        "first_step_at": epochs.first_step_at,
+    }
 
 
-def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, model, optimizer, scheduler):
+def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, scheduler):
     """Report an epoch; every rank calls `ray.train.report` (a collective), rank 0 alone
     attaches the checkpoint and appends the epoch to the run's history."""
     if parallel.is_main():
         history.append(run_dir, metrics)
-    due = epoch % cfg.checkpoint.every == 0 or epoch == cfg.epochs
-    if not (due and parallel.is_main()):
+    if not (epoch % cfg.checkpoint.every == 0 or epoch == cfg.epochs):
+        ray.train.report(metrics)
+        return
+    weights, optimizer_state = engine.full_state()  # a collective: shards gather on rank 0
+    if not parallel.is_main():
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory(prefix="relay-ckpt-") as tmp:
-        checkpoint.save(
+        checkpoint.save_state(
             tmp,
-            parallel.unwrap(model),
-            optimizer=optimizer,
-            scheduler=scheduler,
-            meta={"epoch": epoch, "metrics": metrics, "config": cfg.model_dump(mode="json")},
+            weights=weights,
+            optimizer=optimizer_state,
+            scheduler=scheduler.state_dict(),
+            scaler=engine.scaler_state(),
+            meta={
+                "epoch": epoch,
+                "metrics": metrics,
+                "config": cfg.model_dump(mode="json"),
+                "strategy": cfg.parallel.strategy,
+                "workers": parallel.world_size(),
+            },
         )
         ray.train.report(
             metrics,

@@ -1,14 +1,31 @@
 """Everything distributed, in one place: who am I, where do tensors live, how is the model
-wrapped, and how do numbers from all ranks combine.
+wrapped and its optimizer built under each strategy, how gradients are synchronised, and how
+numbers and state from all ranks combine.
 
-The loop calls these and never branches on ranks or backends itself. Ray Train has already
-set up the process group (gloo on CPU, NCCL on GPU) by the time the loop runs; rank and world
-come from `ray.train.get_context()`, never from environment variables.
+The loop calls these and never branches on ranks, backends or strategies itself. Ray Train has
+already set up the process group (gloo on CPU, NCCL on GPU) by the time the loop runs; rank and
+world come from `ray.train.get_context()`, never from environment variables.
+
+Strategies (`parallel.strategy`):
+  ddp    full replica per rank; gradients all-reduced (Ray Train's `prepare_model`, i.e. DDP)
+  zero1  DDP for gradients + `ZeroRedundancyOptimizer`: each rank keeps 1/N of optimizer state
+  fsdp   FSDP2 `fully_shard` per block, then the root: parameters, gradients and optimizer
+         state all sharded (ZeRO-3; `reshard_after_forward: false` ≈ ZeRO-2)
+
+Whatever the strategy, `full_state()` yields the same portable state: full (unsharded)
+weights, and optimizer state keyed by parameter name — so a checkpoint resumes under another
+strategy or worker count, and Serve loads any of them unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import resource
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import ray.train
 import ray.train.torch
@@ -16,6 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from relay import checkpoint
+from relay.config import ParallelConfig
+
+# --- who am I ------------------------------------------------------------------------------
 
 
 def rank() -> int:
@@ -44,17 +66,329 @@ def set_threads(threads: int | None, reserved_cpus: float) -> None:
     torch.set_num_threads(threads or max(1, int(reserved_cpus)))
 
 
-def wrap_model(model: nn.Module) -> nn.Module:
-    """Move to this worker's device and wrap for data parallelism (DDP when world > 1).
+def barrier() -> None:
+    if _distributed():
+        dist.barrier()
 
-    DDP broadcasts rank 0's parameters on construction, so every replica starts identical.
+
+def synchronize() -> None:
+    """Wait for queued device work, so a host clock measures what the device did."""
+    if torch.cuda.is_available() and device().type == "cuda":
+        torch.cuda.synchronize(device())
+
+
+# --- model surgery: units, activation checkpointing, compile ---------------------------------
+
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """The repeated building blocks FSDP shards by and activation checkpointing recomputes:
+    the items of the model's `nn.ModuleList`s (transformer blocks), else its parameterised
+    leaf layers (an MLP's linears)."""
+    blocks = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    if blocks:
+        return blocks
+    return [
+        m
+        for m in model.modules()
+        if m is not model and not list(m.children()) and any(True for _ in m.parameters())
+    ]
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each unit's activations in backward instead of storing them.
+
+    The unit's `forward` is replaced in place rather than wrapped in another module, so
+    parameter names — and thus checkpoints — do not change; module hooks (FSDP's) stay outside.
     """
-    return ray.train.torch.prepare_model(model)
+    from torch.utils.checkpoint import checkpoint
+
+    for unit in units(model):
+        inner = unit.forward
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, **kwargs):
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        unit.forward = forward
+
+
+def compile_model(model: nn.Module) -> None:
+    """torch.compile each block's forward (or the whole forward when there are no blocks).
+
+    Compiling `forward` in place keeps parameter names and keeps DDP/FSDP hooks out of the
+    compiled graph."""
+    has_blocks = any(isinstance(m, nn.ModuleList) for m in model.modules())
+    for target in units(model) if has_blocks else [model]:
+        target.forward = torch.compile(target.forward)
+
+
+def tied_aliases(model: nn.Module) -> set[str]:
+    """Parameter names that alias another parameter (tied embeddings): saved once."""
+    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return every - {name for name, _ in model.named_parameters()}
+
+
+# --- the strategy engine -----------------------------------------------------------------------
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]  # (params, **kwargs) → optimizer
+
+
+class Engine:
+    """The model as the loop sees it: wrapped for the configured strategy, with its optimizer,
+    precision, gradient-sync switch and portable state.
+
+    engine = parallel.Engine(plain_model, cfg.parallel, optimizer_class, optimizer_kwargs)
+    engine.zero_grad()
+    for i, batch in enumerate(micro_batches):
+        with engine.micro_step(sync=i == len(micro_batches) - 1):
+            loss = ...(engine.model, batch)
+            engine.backward(loss / len(micro_batches))
+    engine.step(grad_clip)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: ParallelConfig,
+        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_kwargs: dict[str, Any],
+    ) -> None:
+        self.cfg = cfg
+        self.device = device()
+        self._tied = tied_aliases(model)
+        self._names = [name for name, _ in model.named_parameters()]
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        if cfg.compile:
+            compile_model(model)
+        self._dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[
+            cfg.mixed_precision
+        ]
+        if cfg.strategy == "fsdp":
+            self.model = self._shard(model)
+        else:
+            # DDP broadcasts rank 0's parameters on construction: every replica starts equal.
+            self.model = ray.train.torch.prepare_model(model)
+        params = list(self.model.parameters())
+        if cfg.strategy == "zero1" and _distributed():
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            self.optimizer = ZeroRedundancyOptimizer(
+                params, optimizer_class=optimizer_class, **optimizer_kwargs
+            )
+        else:
+            self.optimizer = optimizer_class(params, **optimizer_kwargs)
+        # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
+        self._scaler = (
+            torch.amp.GradScaler(self.device.type)
+            if cfg.mixed_precision == "fp16" and cfg.strategy != "fsdp"
+            else None
+        )
+
+    def _shard(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model.to(self.device)
+        if not _distributed():
+            return model
+        policy = MixedPrecisionPolicy(param_dtype=self._dtype, reduce_dtype=torch.float32)
+        for unit in units(model):
+            fully_shard(
+                unit, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy
+            )
+        # The root holds what no unit does (embeddings, tied head, final norm); it is gathered
+        # for the whole step anyway, so it is not resharded after forward.
+        fully_shard(model, reshard_after_forward=False, mp_policy=policy)
+        return model
+
+    @property
+    def plain(self) -> nn.Module:
+        """The module inside whatever wrapper the strategy put around it."""
+        return unwrap(self.model)
+
+    # --- a step ---
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @contextlib.contextmanager
+    def micro_step(self, sync: bool = True) -> Iterator[None]:
+        """Forward/backward of one micro-batch in the configured precision; with `sync` false
+        the gradients only accumulate locally (no all-reduce / reduce-scatter)."""
+        with self._gradient_sync(sync), self.autocast():
+            yield
+
+    def autocast(self):
+        if self._dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._dtype)
+
+    def _gradient_sync(self, enabled: bool):
+        if isinstance(self.model, DistributedDataParallel) and not enabled:
+            return self.model.no_sync()
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self._scaler.scale(loss) if self._scaler else loss).backward()
+
+    def step(self, grad_clip: float | None = None) -> None:
+        if self._scaler:
+            self._scaler.unscale_(self.optimizer)
+        if grad_clip is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+        if self._scaler:
+            self._scaler.step(self.optimizer)
+            self._scaler.update()
+        else:
+            self.optimizer.step()
+
+    # --- portable state ---
+
+    def scaler_state(self) -> dict[str, Any] | None:
+        return self._scaler.state_dict() if self._scaler else None
+
+    def load_scaler_state(self, state: dict[str, Any] | None) -> None:
+        if self._scaler and state:
+            self._scaler.load_state_dict(state)
+
+    def replica_digest(self) -> str | None:
+        """A hash of this rank's full replica (ddp, zero1); None where ranks hold shards."""
+        if self.cfg.strategy == "fsdp" and _distributed():
+            return None
+        return state_digest(self.plain.state_dict())
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(full weights, optimizer state keyed by parameter name) on rank 0 — empty dicts on
+        the others. A collective: every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if self.cfg.strategy == "fsdp" and _distributed():
+            weights = get_model_state_dict(self.model, options=options)
+        else:
+            weights = self.plain.state_dict() if is_main() else {}
+        weights = {k: v.detach().cpu() for k, v in weights.items() if k not in self._tied}
+        if self._is_zero():
+            self.optimizer.consolidate_state_dict(to=0)
+            optim = self._by_name(self.optimizer.state_dict()) if is_main() else {}
+        elif self.cfg.strategy == "fsdp" and _distributed():
+            optim = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        else:
+            optim = self._by_name(self.optimizer.state_dict()) if is_main() else {}
+        return weights, optim
+
+    def load_optimizer_state(self, named: dict[str, Any]) -> None:
+        """Load optimizer state saved by `full_state` under any strategy and worker count."""
+        if self.cfg.strategy == "fsdp" and _distributed():
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_optimizer_state_dict,
+            )
+
+            set_optimizer_state_dict(
+                self.model,
+                self.optimizer,
+                named,
+                options=StateDictOptions(full_state_dict=True),
+            )
+            return
+        self.optimizer.load_state_dict(checkpoint.optimizer_state_by_index(named, self._names))
+
+    def _by_name(self, state: dict[str, Any]) -> dict[str, Any]:
+        return checkpoint.optimizer_state_by_name(state, self._names)
+
+    def _is_zero(self) -> bool:
+        return type(self.optimizer).__name__ == "ZeroRedundancyOptimizer"
+
+    # --- what it costs ---
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state held by this rank (local shards;
+        gradients as left by the last backward)."""
+        params = list(self.model.parameters())
+        optim = self.optimizer.optim if self._is_zero() else self.optimizer
+        optimizer_bytes = sum(
+            _local_bytes(value)
+            for per_param in optim.state.values()
+            for value in per_param.values()
+            if torch.is_tensor(value)
+        )
+        return {
+            "param_bytes": sum(_local_bytes(p) for p in params),
+            "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+            "optimizer_bytes": optimizer_bytes,
+        }
+
+    def time_micro_steps(self, loss_fn: Callable[[], torch.Tensor], steps: int = 3) -> dict:
+        """Seconds per forward/backward with and without gradient synchronisation, measured
+        on this rank with all ranks in lock-step. Their difference is what the gradient
+        communication costs a step; the optimizer is not stepped (gradients are discarded)."""
+        timings = {}
+        for sync in (False, True, False, True):  # each twice: the first pass warms up
+            self.zero_grad()
+            barrier()
+            started = time.perf_counter()
+            for _ in range(steps):
+                with self.micro_step(sync=sync):
+                    self.backward(loss_fn())
+            synchronize()
+            barrier()  # a rank's clock stops when the slowest rank is done
+            timings["sync" if sync else "local"] = (time.perf_counter() - started) / steps
+        self._gradient_sync(True)
+        self.zero_grad()
+        return {"local_step_s": timings["local"], "synced_step_s": timings["sync"]}
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module inside whatever wrapper parallel.py put around it."""
+    """The plain module inside whatever wrapper parallel.py put around it (FSDP2 shards in
+    place, so an FSDP model is its own plain module)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+# --- measuring the hardware --------------------------------------------------------------------
+
+
+def matmul_peak_flops(dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
+    """This worker's measured dense matmul FLOP/s (best of several), with its thread count —
+    the denominator of model FLOPs utilisation."""
+    a = torch.randn(size, size, device=device(), dtype=dtype)
+    b = torch.randn(size, size, device=device(), dtype=dtype)
+    best = float("inf")
+    for _ in range(6):
+        synchronize()
+        started = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        synchronize()
+        best = min(best, (time.perf_counter() - started) / 4)
+    return 2 * size**3 / best
+
+
+def peak_memory() -> dict[str, Any]:
+    """Peak memory of this rank: the allocator's peak on GPU, the process's peak RSS on CPU."""
+    if device().type == "cuda":
+        return {"bytes": torch.cuda.max_memory_allocated(device()), "kind": "cuda_allocated"}
+    # ru_maxrss is in KiB on Linux.
+    return {
+        "bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "kind": "process_peak_rss",
+    }
+
+
+# --- combining numbers from all ranks ----------------------------------------------------------
 
 
 def sum_across_ranks(values: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -76,10 +410,10 @@ def gather_objects(obj: object) -> list[object]:
     return out
 
 
-def state_digest(model: nn.Module) -> str:
-    """A hash of the model's parameters and buffers: equal on every rank iff replicas agree."""
+def state_digest(weights: dict[str, torch.Tensor]) -> str:
+    """A hash of a state dict: equal on every rank iff replicas agree."""
     h = hashlib.sha256()
-    for name, tensor in sorted(unwrap(model).state_dict().items()):
+    for name, tensor in sorted(weights.items()):
         h.update(name.encode())
         h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]

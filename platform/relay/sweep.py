@@ -76,7 +76,7 @@ def max_concurrent_trials(cfg: SweepConfig) -> int:
     }
     free = ray.available_resources()
     fits = [
-        math.floor(free.get(name, 0.0) / (amount * scaling.num_workers))
+        math.floor(free.get(name, 0.0) / (amount * scaling.max_workers))
         for name, amount in per_worker.items()
         if amount > 0
     ]
@@ -190,7 +190,7 @@ def run(
         verb = "resuming" if resume else "sweep"
         out.write(
             f"{verb} {sweep_id}: {cfg.num_samples} samples of {len(cfg.search)} fields, "
-            f"{cfg.train.scaling.num_workers} workers per trial, "
+            f"{cfg.train.scaling.describe()} per trial, "
             f"ASHA {'on' if cfg.asha.enabled else 'off'} (max_t {cfg.asha.max_t})\n"
         )
     with cluster.reclaiming_orphans():

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from relay import cluster, console, history, registry
+from relay import cluster, console, efficiency, history, registry
 from relay.config import RunConfig
 
 
@@ -31,6 +31,7 @@ class RunResult:
     replicas_in_sync: bool | None = None
     model: str | None = None  # the model version this run was registered as, e.g. "digits:3"
     startup_s: float | None = None  # from fit() to the first training step (cluster, workers, data)
+    efficiency: dict[str, Any] | None = None  # see relay.efficiency
 
     def to_json_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,7 +56,7 @@ def build_trainer(
 
     runs_root = registry.runs_root(cfg.storage_path())
     scaling = ray.train.ScalingConfig(
-        num_workers=cfg.scaling.num_workers,
+        num_workers=cfg.scaling.num_workers,  # an int, or (min, max): elastic
         use_gpu=cfg.scaling.use_gpu,
         resources_per_worker=cfg.scaling.resources_per_worker,
     )
@@ -74,8 +75,7 @@ def build_trainer(
         "run": cfg.model_dump(mode="json"),
         "run_dir": str(runs_root / run_id),
         "cpus_per_worker": _worker_cpus(cfg),
-        # streaming_split(equal=True) gives each worker floor(rows / workers) rows.
-        "train_rows_per_worker": train_rows // cfg.scaling.num_workers,
+        "train_rows": train_rows,
     }
     return TorchTrainer(
         train_loop_per_worker,
@@ -123,14 +123,16 @@ def fit(
     from relay.data import to_ray_datasets
     from relay.tasks import build_task
 
-    started = time.time()
+    times = {"started": time.time()}
+    started = times["started"]
     cluster.connect(verbose=verbose)
+    times["connected"] = time.time()
     task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
     split = task.load_data(cfg.data.val_fraction, cfg.seed)
     train_rows = len(next(iter(split.train.values())))
-    if train_rows < cfg.scaling.num_workers:
+    if train_rows < cfg.scaling.max_workers:
         raise ValueError(
-            f"{train_rows} training samples cannot feed {cfg.scaling.num_workers} workers"
+            f"{train_rows} training samples cannot feed {cfg.scaling.max_workers} workers"
         )
 
     resuming = run_id is not None
@@ -149,17 +151,22 @@ def fit(
     }
     registry.write(run_dir, record)
     if out is not None:
-        out.write(f"run {run_id}: {cfg.task} ({cfg.size}) on {cfg.scaling.num_workers} workers\n")
+        out.write(
+            f"run {run_id}: {cfg.task} ({cfg.size}) on {cfg.scaling.describe()}, "
+            f"{cfg.parallel.strategy}\n"
+        )
 
     trainer = build_trainer(cfg, run_id, to_ray_datasets(split), train_rows, callbacks)
     try:
         with console.follow(run_dir, cfg.epochs, out):
+            times["fit_called"] = time.time()
             result = trainer.fit()
     except BaseException as exc:
         registry.write(run_dir, {**record, "status": "failed", "error": repr(exc)[:2000]})
         raise
 
     run = _run_result(cfg, run_id, run_dir, result)
+    run.efficiency = _efficiency(cfg, run_id, times, result.return_value or {})
     if run.history:
         first = run.history[0]
         run.startup_s = round(first["time"] - first["epoch_s"] - started, 3)
@@ -180,11 +187,23 @@ def fit(
             "replicas_in_sync": run.replicas_in_sync,
             "startup_s": run.startup_s,
             "model": run.model,
+            "efficiency": run.efficiency,
         },
     )
     if out is not None:
+        if run.efficiency:
+            out.write(efficiency.format_report(run.efficiency) + "\n")
         out.write(f"model: {run.model} at {run.checkpoint}\n")
     return run
+
+
+def _efficiency(cfg: RunConfig, run_id: str, times: dict, returned: dict) -> dict | None:
+    report = returned.get("efficiency")
+    if report is None:  # e.g. resumed after its last epoch: nothing trained in this run
+        return None
+    report["startup"] = efficiency.startup(times, returned)
+    efficiency.add_reference(report, efficiency.find_reference(cfg.storage_path(), cfg, run_id))
+    return report
 
 
 def _run_result(cfg: RunConfig, run_id: str, run_dir: Path, result) -> RunResult:
@@ -192,7 +211,8 @@ def _run_result(cfg: RunConfig, run_id: str, run_dir: Path, result) -> RunResult
     best_metrics = next(
         (m for c, m in result.best_checkpoints or [] if best and c.path == best.path), {}
     )
-    digests = (result.return_value or {}).get("replica_digests")
+    # fsdp ranks hold shards, not replicas: nothing to compare (None).
+    digests = [d for d in (result.return_value or {}).get("replica_digests") or [] if d]
     return RunResult(
         run_id=run_id,
         run_dir=str(run_dir),

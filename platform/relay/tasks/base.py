@@ -103,6 +103,10 @@ class Task(ABC):
     sizes: ClassVar[dict[str, dict[str, Any]]]
     #: Whether `data.path` means something to this task.
     accepts_data_path: ClassVar[bool] = False
+    #: Throughput is reported in these units (e.g. "tokens"), counted by this key of the
+    #: stats `loss_and_stats` returns; default: samples, counted by "count".
+    throughput_unit: ClassVar[str] = "samples"
+    throughput_stat: ClassVar[str] = "count"
     #: Serving: one request instance and one prediction (subclasses of InstanceSchema and
     #: PredictionSchema). Declared, not defined: a task without them cannot be served.
     Instance: ClassVar[type[BaseModel]]

@@ -107,6 +107,8 @@ class CharLMTask(Task):
     metric = "val_loss"
     mode = "min"
     accepts_data_path = True
+    throughput_unit = "tokens"  # predicted characters (bytes)
+    throughput_stat = "chars"
     Size = CharLMSize
     Instance = CharLMInstance
     Prediction = CharLMPrediction
