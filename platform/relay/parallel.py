@@ -262,8 +262,9 @@ class Engine:
         return state_digest(self.plain.state_dict())
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """(full weights, optimizer state keyed by parameter name) on rank 0 — empty dicts on
-        the others. A collective: every rank must call it."""
+        """A snapshot of (full weights, optimizer state keyed by parameter name) on rank 0 —
+        empty dicts on the others. A collective: every rank must call it. The tensors are
+        copies: training on does not change a snapshot already taken."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -271,22 +272,27 @@ class Engine:
         )
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        if self.cfg.strategy == "fsdp" and _distributed():
+        sharded = self.cfg.strategy == "fsdp" and _distributed()
+        if sharded:
             weights = get_model_state_dict(self.model, options=options)
         else:
             weights = self.plain.state_dict() if is_main() else {}
-        weights = {k: v.detach().cpu() for k, v in weights.items() if k not in self._tied}
+        weights = {k: v for k, v in weights.items() if k not in self._tied}
         if self._is_zero():
             self.optimizer.consolidate_state_dict(to=0)
             optim = self._by_name(self.optimizer.state_dict()) if is_main() else {}
-        elif self.cfg.strategy == "fsdp" and _distributed():
+        elif sharded:
             optim = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         else:
             optim = self._by_name(self.optimizer.state_dict()) if is_main() else {}
-        return weights, optim
+        return _snapshot(weights), _snapshot(optim)
 
     def load_optimizer_state(self, named: dict[str, Any]) -> None:
-        """Load optimizer state saved by `full_state` under any strategy and worker count."""
+        """Load optimizer state saved by `full_state` under any strategy and worker count.
+
+        The optimizer gets copies: torch's `load_state_dict` would otherwise keep the caller's
+        tensors and update them in place as training goes on."""
+        named = _snapshot(named)
         if self.cfg.strategy == "fsdp" and _distributed():
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -345,6 +351,17 @@ class Engine:
         self._gradient_sync(True)
         self.zero_grad()
         return {"local_step_s": timings["local"], "synced_step_s": timings["sync"]}
+
+
+def _snapshot(tree: Any) -> Any:
+    """A CPU copy of every tensor in a nested dict/list (`.cpu()` of a CPU tensor aliases)."""
+    if torch.is_tensor(tree):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {key: _snapshot(value) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_snapshot(value) for value in tree)
+    return tree
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:

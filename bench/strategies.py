@@ -1,0 +1,305 @@
+""".venv/bin/python bench/strategies.py [--epochs 4] [--batch-size 16] [--model JSON]
+
+Memory and speed of relay's parallel strategies (ddp, zero1, fsdp), each in fp32 and bf16, on the
+same 2-worker charlm run: 6 runs in one benchmark, on one embedded Ray cluster.
+
+Method: one config, changed only in `parallel.strategy` and `parallel.mixed_precision`, trained
+with `relay.trainer.fit` (2 workers, each reserving one CPU and running one intra-op thread; same
+seed, data split, per-worker batch and epochs). Every figure is read from the run itself: its
+history (per-epoch samples/s, final validation loss) and relay's efficiency report (measured on
+the workers after the last epoch).
+
+Workload: charlm with `{"d_model": 256, "n_layer": 4, "n_head": 4, "block_size": 128,
+"dropout": 0.0, "corpus_bytes": 48000}`: a 3.26 M-parameter GPT, so model state (fp32 weights,
+gradients and two AdamW moments: ~52 MB per full replica) is large enough to show sharding, and
+~9 steps of batch 16 per worker per epoch (~4-5 s of training in fp32 on this 2-core machine).
+The preset `default` (128 wide) holds 0.8 M parameters; the full 2 MB corpus would take minutes
+per epoch. About 4-5 minutes in all.
+
+Per run:
+  state/rank   rank 0's parameter + gradient + optimizer bytes (local shards: torch tensors
+               and FSDP DTensors' local parts), as the report measures them after training
+               (gradients of the last step still allocated). ddp holds everything; zero1
+               shards the optimizer state (1/2 of it per rank); fsdp shards all three.
+  peak RSS     the rank's process peak resident memory (the report's `peak_memory_bytes` on
+               CPU): it includes the Ray worker process itself (~0.3-0.5 GB of libraries), so
+               differences between strategies are much smaller there than in state/rank.
+  samples/s    steady training throughput: the median of per-epoch samples/s (global training
+               samples / seconds of that epoch's training pass) over epochs 2..N, from the run's
+               history; epoch 1 (warm-up) is left out. tokens/s = samples/s x block_size (each
+               sample predicts block_size characters). The report's all-epoch figure is in the
+               JSON (`report_samples_per_s`).
+  val loss     validation loss (nats/char) after the last epoch: strategies should agree within
+               rounding in fp32; bf16 differs a little.
+  comm         the report's gradient-communication share of compute + comm.
+
+The last stdout line is one JSON object: fsdp_state_ratio = fsdp / ddp rank-0 state bytes in
+fp32 (ideal 0.5 on 2 ranks; target <= 0.55), zero1_state_ratio likewise, bf16_speedup = bf16 /
+fp32 steady samples/s under ddp, bf16_speedup_by_strategy, and the raw table. bf16 pays off on a
+CPU only with native bf16 matmuls (AVX512-BF16 / AMX); it is slower where they are missing.
+The bench sets RELAY_HOME and the runs' storage to a temporary dir (deleted at the end), starts
+its own local Ray cluster (RAY_ADDRESS=local) and shuts Ray down at the end. Figures are noisy
+when something else is using the CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL = {
+    "d_model": 256,
+    "n_layer": 4,
+    "n_head": 4,
+    "block_size": 128,
+    "dropout": 0.0,
+    "corpus_bytes": 48_000,
+}
+STRATEGIES = ("ddp", "zero1", "fsdp")
+PRECISIONS = ("none", "bf16")
+MiB = 1024 * 1024
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="ddp / zero1 / fsdp x fp32 / bf16: state per rank, throughput, loss."
+    )
+    parser.add_argument("--size", default="default", help="charlm size preset (default: default)")
+    parser.add_argument(
+        "--model",
+        type=json.loads,
+        default=None,
+        help=f"charlm model overrides as JSON (default: {json.dumps(DEFAULT_MODEL)})",
+    )
+    parser.add_argument("--epochs", type=int, default=4, help="epochs per run (default: 4)")
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="batch size per worker (default: 16)"
+    )
+    parser.add_argument("--workers", type=int, default=2, help="workers (default: 2)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW lr (default: 1e-3)")
+    parser.add_argument(
+        "--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all)"
+    )
+    parser.add_argument(
+        "--show-progress", action="store_true", help="relay's per-epoch lines on stderr"
+    )
+    args = parser.parse_args(argv)
+    if args.epochs < 2:
+        parser.error("--epochs must be >= 2 (epoch 1 is warm-up)")
+    args.model = DEFAULT_MODEL if args.model is None else args.model
+    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = set(args.strategies) - set(STRATEGIES)
+    if unknown:
+        parser.error(f"unknown strategies: {', '.join(sorted(unknown))}")
+    return args
+
+
+def run_config(args: argparse.Namespace, storage: Path, strategy: str, precision: str) -> dict:
+    return {
+        "name": f"strategies-{strategy}-{precision}",
+        "task": "charlm",
+        "size": args.size,
+        "model": args.model,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "optim": {"name": "adamw", "lr": args.lr, "weight_decay": 0.1, "grad_clip": 1.0},
+        "data": {"val_fraction": 0.1},
+        "scaling": {
+            "num_workers": args.workers,
+            "resources_per_worker": {"CPU": 1},
+            "threads_per_worker": 1,
+        },
+        "parallel": {"strategy": strategy, "mixed_precision": precision},
+        # One checkpoint, at the end: the benchmark is about training, not checkpointing.
+        "checkpoint": {"every": args.epochs, "keep": 1},
+        "storage": str(storage),
+    }
+
+
+def train(cfg_dict: dict[str, Any], block_size: int, show_progress: bool) -> dict[str, Any]:
+    import relay.config
+    import relay.trainer
+
+    cfg = relay.config.from_dict(cfg_dict)
+    called = time.perf_counter()
+    result = relay.trainer.fit(cfg, register=False, out=sys.stderr if show_progress else None)
+    wall_s = time.perf_counter() - called
+    report = result.efficiency
+    if report is None:
+        raise RuntimeError(f"run {result.run_id} returned no efficiency report")
+    ranks = report["memory"]["per_rank"]
+    state = [r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in ranks]
+    per_epoch = [m["samples_per_s"] for m in result.history]
+    steady = statistics.median(per_epoch[1:])
+    return {
+        "strategy": cfg.parallel.strategy,
+        "precision": cfg.parallel.mixed_precision,
+        "run_id": result.run_id,
+        "state_bytes_rank0": state[0],
+        "state_bytes_per_rank": state,
+        "param_bytes_rank0": ranks[0]["param_bytes"],
+        "grad_bytes_rank0": ranks[0]["grad_bytes"],
+        "optimizer_bytes_rank0": ranks[0]["optimizer_bytes"],
+        "peak_memory_bytes_per_rank": [r["peak_memory_bytes"] for r in ranks],
+        "samples_per_s": steady,
+        "tokens_per_s": steady * block_size,
+        "epoch_samples_per_s": per_epoch,
+        "report_samples_per_s": report["throughput"]["samples_per_s"],
+        "report_tokens_per_s": report["throughput"]["units_per_s"],
+        "comm_fraction": report["step"]["comm_fraction"],
+        "step": {k: report["step"][k] for k in ("step_s", "compute_s", "comm_s", "other_s")},
+        "mfu": report["flops"]["mfu"],
+        "val_loss": result.history[-1]["val_loss"],
+        "replicas_in_sync": result.replicas_in_sync,
+        "wall_s": wall_s,
+    }
+
+
+def label(run: dict[str, Any]) -> str:
+    return f"{run['strategy']} {'fp32' if run['precision'] == 'none' else run['precision']}"
+
+
+def describe(run: dict[str, Any]) -> str:
+    peak = max(run["peak_memory_bytes_per_rank"])
+    return (
+        f"{label(run)}: state/rank {run['state_bytes_rank0'] / MiB:.1f} MiB, peak RSS "
+        f"{peak / MiB:,.0f} MiB, {run['samples_per_s']:,.1f} samples/s "
+        f"({run['tokens_per_s']:,.0f} tokens/s), val loss {run['val_loss']:.4f}, "
+        f"wall {run['wall_s']:.1f} s"
+    )
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    header = (
+        "run",
+        "state/rank",
+        "params",
+        "grads",
+        "optim",
+        "peak RSS r0/r1",
+        "samples/s",
+        "tokens/s",
+        "comm",
+        "MFU",
+        "val loss",
+    )
+    rows = [header]
+    for run in runs:
+        peaks = "/".join(f"{b / MiB:,.0f}" for b in run["peak_memory_bytes_per_rank"])
+        rows.append(
+            (
+                label(run),
+                f"{run['state_bytes_rank0'] / MiB:.1f} MiB",
+                f"{run['param_bytes_rank0'] / MiB:.1f}",
+                f"{run['grad_bytes_rank0'] / MiB:.1f}",
+                f"{run['optimizer_bytes_rank0'] / MiB:.1f}",
+                f"{peaks} MiB",
+                f"{run['samples_per_s']:,.1f}",
+                f"{run['tokens_per_s']:,.0f}",
+                f"{run['comm_fraction']:.0%}",
+                f"{run['mfu']:.1%}",
+                f"{run['val_loss']:.4f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="relay-bench-strategies-") as tmp:
+        storage = Path(tmp)
+        os.environ["RELAY_HOME"] = str(storage)
+        os.environ["RAY_ADDRESS"] = "local"  # relay starts its own embedded cluster
+
+        import relay.config
+        from relay.tasks import build_task
+
+        cfg = relay.config.from_dict(run_config(args, storage, "ddp", "none"))
+        task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
+        split = task.load_data(cfg.data.val_fraction, cfg.seed)
+        rows = len(next(iter(split.train.values())))
+        params = sum(p.numel() for p in task.build_model().parameters())
+        block_size = task.hp.block_size
+        print(
+            f"charlm ({cfg.size}, model {json.dumps(cfg.model)}: {params / 1e6:.2f} M params), "
+            f"{rows} train windows, {args.workers} workers x batch {cfg.batch_size} "
+            f"(1 CPU, 1 thread each), {cfg.epochs} epochs",
+            flush=True,
+        )
+        runs: list[dict[str, Any]] = []
+        try:
+            for strategy in args.strategies:
+                for precision in PRECISIONS:
+                    cfg_dict = run_config(args, storage, strategy, precision)
+                    runs.append(train(cfg_dict, block_size, args.show_progress))
+                    print(describe(runs[-1]), flush=True)
+        finally:
+            if "ray" in sys.modules:
+                sys.modules["ray"].shutdown()
+    wall_s = time.perf_counter() - started
+
+    by = {(r["strategy"], r["precision"]): r for r in runs}
+
+    def state_ratio(strategy: str) -> float | None:
+        if (strategy, "none") not in by or ("ddp", "none") not in by:
+            return None
+        return by[strategy, "none"]["state_bytes_rank0"] / by["ddp", "none"]["state_bytes_rank0"]
+
+    bf16_speedups = {
+        s: by[s, "bf16"]["samples_per_s"] / by[s, "none"]["samples_per_s"]
+        for s in args.strategies
+    }
+    print()
+    print(table(runs))
+    print(
+        "\nsamples/s: median of epochs 2..N (steady); state/rank: rank 0's params + grads + "
+        "optimizer state; peak RSS: whole worker process"
+    )
+    fsdp_ratio, zero1_ratio = state_ratio("fsdp"), state_ratio("zero1")
+    if fsdp_ratio is not None:
+        print(f"fsdp / ddp state per rank (fp32): {fsdp_ratio:.3f} (target <= 0.55)")
+    if zero1_ratio is not None:
+        print(f"zero1 / ddp state per rank (fp32): {zero1_ratio:.3f}")
+    print(
+        "bf16 / fp32 samples/s: "
+        + ", ".join(f"{s} {v:.2f}x" for s, v in bf16_speedups.items())
+        + f"; wall time {wall_s:.1f} s"
+    )
+
+    summary = {
+        "fsdp_state_ratio": fsdp_ratio,
+        "zero1_state_ratio": zero1_ratio,
+        "bf16_speedup": bf16_speedups.get("ddp"),
+        "bf16_speedup_by_strategy": bf16_speedups,
+        "throughput_measure": "median per-epoch samples/s over epochs 2..N (run history)",
+        "runs": runs,
+        "task": cfg.task,
+        "size": cfg.size,
+        "model": cfg.model,
+        "params": params,
+        "train_windows": rows,
+        "workers": args.workers,
+        "epochs": cfg.epochs,
+        "batch_size": cfg.batch_size,
+        "wall_s": wall_s,
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
