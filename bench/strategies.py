@@ -261,8 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         return by[strategy, "none"]["state_bytes_rank0"] / by["ddp", "none"]["state_bytes_rank0"]
 
     bf16_speedups = {
-        s: by[s, "bf16"]["samples_per_s"] / by[s, "none"]["samples_per_s"]
-        for s in args.strategies
+        s: by[s, "bf16"]["samples_per_s"] / by[s, "none"]["samples_per_s"] for s in args.strategies
     }
     print()
     print(table(runs))

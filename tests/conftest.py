@@ -19,9 +19,11 @@ def relay_home(tmp_path_factory) -> Path:
     return home
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster(relay_home):
-    """A 4-logical-CPU local cluster (2 per DDP worker pair leaves room for Ray's own actors)."""
+    """A 4-logical-CPU local cluster (2 per DDP worker pair leaves room for Ray's own actors),
+    started once and shared; restarted only after a test that needed a cluster of its own
+    (test_multinode.py's simulated nodes) shut it down."""
     import ray
 
     from relay import cluster
@@ -29,4 +31,11 @@ def ray_cluster(relay_home):
     os.environ["RAY_ADDRESS"] = "local"  # never join a `ray start` cluster another test runs
     cluster.connect(num_cpus=4)
     yield ray
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shutdown_ray_at_exit():
+    yield
+    import ray
+
     ray.shutdown()

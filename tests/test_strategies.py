@@ -27,7 +27,7 @@ def _engine_runs(_config: dict) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from relay import checkpoint, parallel
+    from relay import parallel
     from relay.config import OptimConfig, ParallelConfig
     from relay.loop import optimizer_spec
     from relay.tasks import build_task
