@@ -40,7 +40,9 @@ What limits speedup_2w on a 2-core machine: the two workers' compute threads tak
 so gloo's all-reduce (its own threads), Ray's daemons (raylet, GCS, the Train controller's
 polls), the driver and anything else running on the machine compete with compute instead of
 overlapping it; the 1-worker run has the second core to itself for all of that. Memory
-bandwidth is shared too. Figures are noisy when something else is using the CPUs.
+bandwidth is shared too. Figures are noisy when something else is using the CPUs: each run
+records the 1-minute load average as it ends (`load_1m_at_end`) and the bench warns (and counts
+`busy_runs`) when it exceeds the core count + 1.
 
 The last stdout line is one JSON object with the figures above, the per-run tables and the
 set-up. The bench sets RELAY_HOME and the runs' storage to a temporary dir (deleted at the end),
@@ -58,6 +60,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+# A 1-minute load average above this, as a run ends, means others were using the CPUs too.
+BUSY_LOAD = (os.cpu_count() or 1) + 1.0
 
 DEFAULT_TASK = "regression"
 DEFAULT_MODEL = {"features": 1024, "hidden": [2048, 2048], "samples": 15_360}
@@ -125,6 +130,7 @@ def train(cfg_dict: dict[str, Any], show_progress: bool) -> dict[str, Any]:
     called = time.perf_counter()
     result = relay.trainer.fit(cfg, register=False, out=sys.stderr if show_progress else None)
     wall_s = time.perf_counter() - called
+    load = os.getloadavg()[0]  # 1-minute load average as the run ends: was the machine quiet?
     report = result.efficiency
     if report is None:
         raise RuntimeError(f"run {result.run_id} returned no efficiency report")
@@ -133,6 +139,7 @@ def train(cfg_dict: dict[str, Any], show_progress: bool) -> dict[str, Any]:
         "run_id": result.run_id,
         "workers": report["workers"],
         "wall_s": wall_s,
+        "load_1m_at_end": load,
         "startup_s": result.startup_s,
         "samples_per_s": report["throughput"]["samples_per_s"],
         "steady_samples_per_s": statistics.median(per_epoch[1:]),
@@ -157,7 +164,8 @@ def describe(run: dict[str, Any]) -> str:
         f"(steady {run['steady_samples_per_s']:,.0f}), MFU {run['mfu']:.1%}, step "
         f"{s['step_s'] * 1e3:.0f} ms = compute {s['compute_s'] * 1e3:.0f} + comm "
         f"{s['comm_s'] * 1e3:.0f} + other {s['other_s'] * 1e3:.0f}, "
-        f"{run['optimizer_steps']} steps, wall {run['wall_s']:.1f} s"
+        f"{run['optimizer_steps']} steps, wall {run['wall_s']:.1f} s, "
+        f"load {run['load_1m_at_end']:.1f}"
     )
 
 
@@ -224,7 +232,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  per-epoch samples/s, {run['workers']} worker(s): {values}")
     print(f"wall time {wall_s:.1f} s")
 
+    busy = [r for r in runs if r["load_1m_at_end"] > BUSY_LOAD]
+    if busy:
+        print(
+            f"warning: the 1-minute load average exceeded {BUSY_LOAD:.0f} at the end of "
+            f"{len(busy)} run(s): something else was using the CPUs; figures are unreliable"
+        )
+
     summary = {
+        "busy_runs": len(busy),
         "speedup_2w": speedup,
         "speedup_2w_steady": speedup_steady,
         "relay_reference_speedup": relay_speedup,

@@ -39,7 +39,8 @@ fp32 steady samples/s under ddp, bf16_speedup_by_strategy, and the raw table. bf
 CPU only with native bf16 matmuls (AVX512-BF16 / AMX); it is slower where they are missing.
 The bench sets RELAY_HOME and the runs' storage to a temporary dir (deleted at the end), starts
 its own local Ray cluster (RAY_ADDRESS=local) and shuts Ray down at the end. Figures are noisy
-when something else is using the CPUs.
+when something else is using the CPUs: each run records the 1-minute load average as it ends
+(`load_1m_at_end`) and the bench warns (and counts `busy_runs`) when it exceeds the core count + 1.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+# A 1-minute load average above this, as a run ends, means others were using the CPUs too.
+BUSY_LOAD = (os.cpu_count() or 1) + 1.0
 
 DEFAULT_MODEL = {
     "d_model": 256,
@@ -131,6 +135,7 @@ def train(cfg_dict: dict[str, Any], block_size: int, show_progress: bool) -> dic
     called = time.perf_counter()
     result = relay.trainer.fit(cfg, register=False, out=sys.stderr if show_progress else None)
     wall_s = time.perf_counter() - called
+    load = os.getloadavg()[0]  # 1-minute load average as the run ends: was the machine quiet?
     report = result.efficiency
     if report is None:
         raise RuntimeError(f"run {result.run_id} returned no efficiency report")
@@ -159,6 +164,7 @@ def train(cfg_dict: dict[str, Any], block_size: int, show_progress: bool) -> dic
         "val_loss": result.history[-1]["val_loss"],
         "replicas_in_sync": result.replicas_in_sync,
         "wall_s": wall_s,
+        "load_1m_at_end": load,
     }
 
 
@@ -172,7 +178,8 @@ def describe(run: dict[str, Any]) -> str:
         f"{label(run)}: state/rank {run['state_bytes_rank0'] / MiB:.1f} MiB, peak RSS "
         f"{peak / MiB:,.0f} MiB, {run['samples_per_s']:,.1f} samples/s "
         f"({run['tokens_per_s']:,.0f} tokens/s), val loss {run['val_loss']:.4f}, "
-        f"wall {run['wall_s']:.1f} s"
+        f"wall {run['wall_s']:.1f} s, "
+        f"load {run['load_1m_at_end']:.1f}"
     )
 
 
@@ -280,7 +287,15 @@ def main(argv: list[str] | None = None) -> None:
         + f"; wall time {wall_s:.1f} s"
     )
 
+    busy = [r for r in runs if r["load_1m_at_end"] > BUSY_LOAD]
+    if busy:
+        print(
+            f"warning: the 1-minute load average exceeded {BUSY_LOAD:.0f} at the end of "
+            f"{len(busy)} run(s): something else was using the CPUs; figures are unreliable"
+        )
+
     summary = {
+        "busy_runs": len(busy),
         "fsdp_state_ratio": fsdp_ratio,
         "zero1_state_ratio": zero1_ratio,
         "bf16_speedup": bf16_speedups.get("ddp"),

@@ -76,8 +76,10 @@ def _mean(values: list[float]) -> float:
 
 def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> dict[str, Any]:
     world = len(ranks)
-    samples_per_s = epochs.totals["samples"] / epochs.train_s
-    step_s = epochs.train_s / epochs.optimizer_steps
+    steady = epochs.steady()
+    samples_per_s = steady["samples"] / steady["seconds"]
+    units_per_s = steady["units"] / steady["seconds"]
+    step_s = steady["seconds"] / steady["steps"]
     local_s = _mean([r["local_step_s"] for r in ranks])
     synced_s = _mean([r["synced_step_s"] for r in ranks])
     compute_s = local_s * cfg.parallel.grad_accum
@@ -90,16 +92,20 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
         "mixed_precision": cfg.parallel.mixed_precision,
         "grad_accum": cfg.parallel.grad_accum,
         "throughput": {
-            "samples": epochs.totals["samples"],
-            "train_s": epochs.train_s,
+            # Over the training passes of the epochs counted (the first is left out as
+            # warm-up when there are more); validation and checkpoints are not counted.
+            "samples": steady["samples"],
+            "train_s": steady["seconds"],
+            "epochs_counted": steady["passes"],
+            "warmup_excluded": steady["warmup_excluded"],
             "samples_per_s": samples_per_s,
             "samples_per_s_per_worker": samples_per_s / world,
             "unit": task.throughput_unit,
-            "units_per_s": epochs.totals["units"] / epochs.train_s,
-            "units_per_s_per_worker": epochs.totals["units"] / epochs.train_s / world,
+            "units_per_s": units_per_s,
+            "units_per_s_per_worker": units_per_s / world,
         },
         "step": {
-            "optimizer_steps": epochs.optimizer_steps,
+            "optimizer_steps": steady["steps"],
             "step_s": step_s,
             "compute_s": compute_s,
             "comm_s": comm_s,
@@ -225,6 +231,8 @@ def format_report(report: dict[str, Any]) -> str:
     rate = f"{t['samples_per_s']:,.0f} samples/s ({t['samples_per_s_per_worker']:,.0f}/worker)"
     if unit != "samples":
         rate += f", {t['units_per_s']:,.0f} {unit}/s ({t['units_per_s_per_worker']:,.0f}/worker)"
+    if t["warmup_excluded"]:
+        rate += f"; {t['epochs_counted']} epochs, the first left out as warm-up"
     lines.append(f"  throughput   {rate}")
     lines.append(
         f"  step         {s['step_s'] * 1e3:.1f} ms = compute {s['compute_s'] * 1e3:.1f} + "

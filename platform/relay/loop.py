@@ -105,9 +105,8 @@ class Epochs:
     def __init__(self, task: Task, engine: parallel.Engine, scheduler, cfg: RunConfig) -> None:
         self.task, self.engine, self.scheduler, self.cfg = task, engine, scheduler, cfg
         self.first_step_at: float | None = None
-        self.train_s = 0.0
-        self.optimizer_steps = 0
-        self.totals: dict[str, float] = defaultdict(float)
+        # Per training pass of this process: samples, throughput units, seconds, steps.
+        self.passes: list[dict[str, float]] = []
 
     def train(self, batches: Iterable[Batch]) -> dict[str, float]:
         """One training pass. Statistics stay on the device and are summed across ranks once
@@ -116,6 +115,7 @@ class Epochs:
         engine.model.train()
         sums: Batch = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
         started = time.perf_counter()
+        steps = 0
         for group in _micro_batch_groups(batches, self.cfg.parallel.grad_accum):
             engine.zero_grad()
             for i, batch in enumerate(group):
@@ -126,16 +126,28 @@ class Epochs:
                 _accumulate(sums, stats)
             engine.step(self.cfg.optim.grad_clip)
             self.scheduler.step()
-            self.optimizer_steps += 1
+            steps += 1
             if self.first_step_at is None:
                 self.first_step_at = time.time()
         parallel.synchronize()
         elapsed = time.perf_counter() - started
         totals = parallel.sum_across_ranks(sums)
-        self.train_s += elapsed
-        self.totals["samples"] += totals["count"]
-        self.totals["units"] += totals.get(self.task.throughput_stat, totals["count"])
+        self.passes.append(
+            {
+                "samples": totals["count"],
+                "units": totals.get(self.task.throughput_stat, totals["count"]),
+                "seconds": elapsed,
+                "steps": steps,
+            }
+        )
         return {**totals, "train_s": elapsed}
+
+    def steady(self) -> dict[str, float]:
+        """Totals over this process's training passes, the first left out when there are more
+        (it pays for warm-up: allocator, compilation, caches)."""
+        passes = self.passes[1:] if len(self.passes) > 1 else self.passes
+        total = {key: sum(p[key] for p in passes) for key in passes[0]}
+        return {**total, "passes": len(passes), "warmup_excluded": len(passes) < len(self.passes)}
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
@@ -222,7 +234,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
         _report(cfg, run_dir, epoch, metrics, engine, scheduler)
 
     report = None
-    if epochs.optimizer_steps:
+    if epochs.passes:
         probe = next(iter(train_data.epoch(0)))
         report = efficiency.measure(task, engine, epochs, probe, cfg)
     digests = parallel.gather_objects(engine.replica_digest())
