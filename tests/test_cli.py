@@ -30,13 +30,19 @@ def test_train_json_runs_and_show(tmp_path):
         storage=tmp_path,
     )  # fmt: skip
     lines = out.stdout.strip().splitlines()
-    # Quiet by default: a header, one line per epoch, where the model is, the JSON line.
+    # Quiet by default: a header, one line per epoch, the efficiency report, where the model
+    # is, the JSON line.
     assert lines[0].startswith("run sine-")
     assert [line.split()[1] for line in lines[1:4]] == ["1/3", "2/3", "3/3"]
-    assert lines[4].startswith("model: sinetask:1 at ")
-    assert len(lines) == 6, out.stdout
+    assert lines[4].startswith("efficiency: 2 workers, ddp")
+    report = lines[5:-2]
+    assert [line.split()[0] for line in report] == [
+        "start-up", "throughput", "step", "MFU", "rank", "rank", "scaling"
+    ], out.stdout  # fmt: skip
+    assert lines[-2].startswith("model: sinetask:1 at ")
     result = json.loads(lines[-1])
-    assert {"run_id", "checkpoint", "metrics", "best_metrics"} <= set(result)
+    assert {"run_id", "checkpoint", "metrics", "best_metrics", "efficiency"} <= set(result)
+    assert result["efficiency"]["workers"] == 2
     assert result["checkpoint"].startswith(str(tmp_path))
     assert result["metrics"]["epoch"] == 3 and "val_loss" in result["metrics"]
     assert result["replicas_in_sync"] is True
@@ -58,6 +64,9 @@ def test_train_json_runs_and_show(tmp_path):
     assert models["sinetask"]["versions"][0]["checkpoint"] == result["checkpoint"]
     assert "sinetask:1" in relay("models", storage=tmp_path).stdout
 
+    shown_text = relay("runs", "show", result["run_id"], storage=tmp_path).stdout
+    assert "efficiency: 2 workers, ddp" in shown_text and "MFU" in shown_text
+
     missing = relay("runs", "show", "nope", storage=tmp_path, check=False)
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
 
@@ -67,3 +76,31 @@ def test_config_prints_the_resolved_config(tmp_path):
     resolved = yaml.safe_load(out.stdout)
     assert resolved["size"] == "debug"
     assert resolved["checkpoint"]["metric"] == "val_loss"
+
+
+def test_resume_a_run_on_another_worker_count_and_strategy(tmp_path):
+    first = relay(
+        "train", "jobs/configs/charlm.yaml", "--set", "size=debug", "--set", "epochs=2",
+        "--json", storage=tmp_path,
+    )  # fmt: skip
+    run = json.loads(first.stdout.strip().splitlines()[-1])
+    resumed = relay(
+        "train", "jobs/configs/charlm.yaml", "--set", "size=debug", "--set", "epochs=4",
+        "--set", "scaling.num_workers=1", "--set", "parallel.strategy=fsdp",
+        "--resume", run["run_id"], "--json", storage=tmp_path,
+    )  # fmt: skip
+    result = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert result["run_id"] == run["run_id"]
+    epochs = json.loads(relay("runs", "show", run["run_id"], "--json", storage=tmp_path).stdout)
+    history = epochs["history"]
+    # Epochs 1-2 on 2 workers, then 3-4 on 1, continuing from the epoch-2 checkpoint: the loss
+    # goes on falling from where it was instead of starting over.
+    assert [(e["epoch"], e["workers"]) for e in history] == [(1, 2), (2, 2), (3, 1), (4, 1)]
+    assert history[2]["train_loss"] < history[1]["train_loss"] < history[0]["train_loss"]
+    assert epochs["resumes"] == 1 and epochs["config"]["parallel"]["strategy"] == "fsdp"
+
+    changed_model = relay(
+        "train", "jobs/configs/charlm.yaml", "--set", "size=debug", "--set", "model.d_model=64",
+        "--resume", run["run_id"], storage=tmp_path, check=False,
+    )  # fmt: skip
+    assert changed_model.returncode == 2 and "model:" in changed_model.stderr

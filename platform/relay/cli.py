@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--model-name", help="register the best checkpoint under this model (default: task name)"
     )
+    train.add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        help="continue this run from its latest checkpoint under CONFIG (which may change "
+        "workers, strategy, precision, epochs; not the model)",
+    )
 
     tune = sub.add_parser("tune", help="sweep hyperparameters with ASHA (each trial: DDP)")
     tune.add_argument(
@@ -101,10 +107,19 @@ def _fail(message: str, code: int) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, args.overrides)
-    from relay.trainer import fit  # imports Ray: only once the config is known to be good
+    from relay import registry
+    from relay.trainer import check_resumable, fit  # imports Ray: only with a good config
 
+    run_id = None
+    if args.resume:
+        try:
+            previous = registry.get_run(cfg.storage_path(), args.resume)
+        except KeyError as exc:
+            return _fail(f"--resume: {exc.args[0]}", EXIT_USAGE)
+        check_resumable(previous["config"], cfg)  # a ConfigError: exit 2, naming the field
+        run_id = previous["run_id"]
     try:
-        result = fit(cfg, verbose=args.verbose, model_name=args.model_name)
+        result = fit(cfg, verbose=args.verbose, model_name=args.model_name, run_id=run_id)
     except Exception as exc:  # the run failed on the cluster; its record says so too
         return _fail(f"training failed: {exc}", EXIT_FAILED)
     if args.json:
@@ -188,8 +203,13 @@ def _cmd_runs(args: argparse.Namespace) -> int:
         record = {**record, "history": history.read(record["run_dir"])}
         if args.json:
             print(json.dumps(record, default=str))
-        else:
-            print(yaml.safe_dump(record, sort_keys=False, default_flow_style=None), end="")
+            return 0
+        report = record.pop("efficiency", None)
+        print(yaml.safe_dump(record, sort_keys=False, default_flow_style=None), end="")
+        if report:
+            from relay.efficiency import format_report
+
+            print(format_report(report))
         return 0
     records = registry.list_runs(storage)
     if args.json:

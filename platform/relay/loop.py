@@ -64,6 +64,12 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def _fast_forward(scheduler: torch.optim.lr_scheduler.LambdaLR, steps: int) -> None:
+    """Put a fresh schedule at optimizer step `steps`, as if it had stepped that often."""
+    scheduler.last_epoch = steps - 1
+    scheduler.step()
+
+
 def _maybe_inject_fault(cfg: FaultInjection, epoch: int, run_dir: Path) -> None:
     """Testing aid: SIGKILL this worker process once, to prove recovery from a real death.
 
@@ -199,7 +205,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     if train_state is not None:
         engine.load_optimizer_state(train_state.optimizer)
         engine.load_scaler_state(train_state.scaler)
-        scheduler.load_state_dict(train_state.scheduler)
+        # The schedule's position follows from the epoch, not from the saved step count: a run
+        # resumed on another worker count (or grad_accum) has another number of steps per epoch.
+        _fast_forward(scheduler, (start_epoch - 1) * steps_per_epoch)
 
     def batches(name: str, shuffle: bool) -> ShardBatches:
         return ShardBatches(

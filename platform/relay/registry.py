@@ -30,6 +30,14 @@ def write(run_dir: Path, record: dict[str, Any]) -> None:
     os.replace(tmp, run_dir / RECORD)  # atomic: a reader never sees half a record
 
 
+def read(run_dir: Path) -> dict[str, Any] | None:
+    """A run's record, or None if it has none (yet)."""
+    try:
+        return json.loads((run_dir / RECORD).read_text())
+    except FileNotFoundError:
+        return None
+
+
 def list_runs(storage: Path) -> list[dict[str, Any]]:
     """Every recorded run, newest first."""
     records = []

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from relay import cluster, console, efficiency, history, registry
-from relay.config import RunConfig
+from relay.config import ConfigError, RunConfig
 
 
 @dataclass
@@ -117,14 +117,19 @@ def fit(
     """Train `cfg` on the current Ray cluster (starting a local one if none), record the run and
     (with `register`) make its best checkpoint the next version of model `model_name`.
 
-    A Tune trial passes a stable `run_id` (so a resumed sweep resumes the same Train run from
-    its checkpoints), Tune's report `callbacks`, and `labels` for its registry record.
+    `run_id` of an existing run resumes it from its latest checkpoint, under this config: the
+    worker count, strategy, precision, epochs and batch may differ from the run's, the model
+    may not (see `check_resumable`). A Tune trial passes a stable `run_id` (so a resumed sweep
+    resumes the same Train run), Tune's report `callbacks`, and `labels` for its record.
     """
     from relay.data import to_ray_datasets
     from relay.tasks import build_task
 
     times = {"started": time.time()}
     started = times["started"]
+    previous = registry.read(registry.runs_root(cfg.storage_path()) / run_id) if run_id else None
+    if previous:
+        check_resumable(previous["config"], cfg)
     cluster.connect(verbose=verbose)
     times["connected"] = time.time()
     task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
@@ -146,6 +151,7 @@ def fit(
         "status": "running",
         "started_at": datetime.fromtimestamp(started, UTC).isoformat(),
         "run_dir": str(run_dir),
+        "resumes": previous.get("resumes", -1) + 1 if previous else 0,
         **(labels or {}),
         "config": cfg.model_dump(mode="json"),
     }
@@ -195,6 +201,22 @@ def fit(
             out.write(efficiency.format_report(run.efficiency) + "\n")
         out.write(f"model: {run.model} at {run.checkpoint}\n")
     return run
+
+
+# What a resumed run may not change: the checkpoint's weights must fit the model.
+MODEL_FIELDS = ("task", "size", "model")
+
+
+def check_resumable(previous: dict[str, Any], cfg: RunConfig) -> None:
+    """A run resumes under a new config — other workers, strategy, precision, epochs, batch —
+    as long as the model it builds is the one its checkpoints hold."""
+    current = cfg.model_dump(mode="json")
+    for field_name in MODEL_FIELDS:
+        if previous.get(field_name) != current[field_name]:
+            raise ConfigError(
+                f"{field_name}: a resumed run keeps its model; the run has "
+                f"{previous.get(field_name)!r}, the config {current[field_name]!r}"
+            )
 
 
 def _efficiency(cfg: RunConfig, run_id: str, times: dict, returned: dict) -> dict | None:
