@@ -38,6 +38,21 @@ def test_task_defaults_fill_checkpoint_metric():
     assert (cfg.checkpoint.metric, cfg.checkpoint.mode) == ("val_loss", "min")
 
 
+def test_parallel_section_and_elastic_workers():
+    cfg = config.load(
+        DIGITS,
+        ["parallel.strategy=fsdp", "parallel.mixed_precision=bf16", "parallel.grad_accum=4",
+         "scaling.num_workers=[1, 4]"],
+    )  # fmt: skip
+    assert cfg.parallel.strategy == "fsdp" and cfg.parallel.grad_accum == 4
+    assert cfg.scaling.num_workers == (1, 4) and cfg.scaling.elastic
+    assert (cfg.scaling.min_workers, cfg.scaling.max_workers) == (1, 4)
+    assert cfg.scaling.describe() == "1-4 workers (elastic)"
+    fixed = config.load(DIGITS, ["scaling.num_workers=3"]).scaling
+    assert not fixed.elastic and fixed.min_workers == fixed.max_workers == 3
+    assert config.load(DIGITS).parallel.strategy == "ddp"  # the default changes nothing
+
+
 def test_storage_defaults_to_absolute_relay_home(monkeypatch, tmp_path):
     monkeypatch.setenv("RELAY_HOME", str(tmp_path / "home"))
     assert config.load(DIGITS).storage_path() == tmp_path / "home"
@@ -58,6 +73,14 @@ def test_storage_defaults_to_absolute_relay_home(monkeypatch, tmp_path):
         (["model.layers=3"], "model.layers"),
         (["data.path=/tmp/x"], "data.path"),
         (["optim=3"], "optim"),
+        (["scaling.num_workers=[3, 2]"], "scaling.num_workers"),
+        (["scaling.num_workers=[0, 2]"], "scaling.num_workers"),
+        (["scaling.num_workers=[1, 2, 3]"], "scaling.num_workers"),
+        (["parallel.strategy=zero3"], "parallel.strategy"),
+        (["parallel.mixed_precision=fp8"], "parallel.mixed_precision"),
+        (["parallel.grad_accum=0"], "parallel.grad_accum"),
+        (["parallel.compile=maybe"], "parallel.compile"),
+        (["parallel.sharding=2"], "parallel.sharding"),
     ],
 )
 def test_bad_values_name_the_field(overrides, field):

@@ -73,6 +73,18 @@ class ScalingConfig(_Section):
         description="torch intra-op threads per worker; null: the worker's reserved CPUs.",
     )
 
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers_shape(cls, value: Any) -> Any:
+        # One message for both shapes, instead of pydantic's one per union member.
+        def whole(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        pair = isinstance(value, list | tuple) and len(value) == 2 and all(map(whole, value))
+        if not (pair or whole(value)):
+            raise ValueError(f"expected a worker count or [min, max], got {value!r}")
+        return value
+
     @field_validator("num_workers")
     @classmethod
     def _valid_workers(cls, value: int | tuple[int, int]) -> int | tuple[int, int]:
