@@ -79,6 +79,7 @@ def test_storage_defaults_to_absolute_relay_home(monkeypatch, tmp_path):
         (["parallel.strategy=zero3"], "parallel.strategy"),
         (["parallel.mixed_precision=fp8"], "parallel.mixed_precision"),
         (["parallel.grad_accum=0"], "parallel.grad_accum"),
+        (["parallel.strategy=fsdp", "parallel.mixed_precision=fp16"], "parallel.mixed_precision"),
         (["parallel.compile=maybe"], "parallel.compile"),
         (["parallel.sharding=2"], "parallel.sharding"),
     ],

@@ -86,7 +86,7 @@ def test_efficiency_reports_are_consistent(strategy_sweep):
             f["model_flops_per_sample"] * t["samples_per_s"]
         )
         startup = report["startup"]
-        parts = ("connect_s", "prepare_s", "worker_group_s", "first_step_s")
+        parts = ("connect_s", "prepare_s", "worker_group_s", "model_and_data_s", "first_step_s")
         assert all(startup[p] >= 0 for p in parts)
         assert sum(startup[p] for p in parts) == pytest.approx(startup["total_s"])
 

@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -156,6 +157,15 @@ class ParallelConfig(_Section):
         "(less memory, ~1/3 more compute).",
     )
     compile: bool = Field(False, description="torch.compile the model (slow first step).")
+
+    @field_validator("mixed_precision")
+    @classmethod
+    def _fp16_needs_a_scaler(cls, value: str, info: ValidationInfo) -> str:
+        # fp16 gradients need loss scaling, and torch's GradScaler does not agree on skipped
+        # steps across fsdp's shards; bf16 has fp32's range and needs no scaler.
+        if value == "fp16" and info.data.get("strategy") == "fsdp":
+            raise ValueError("fp16 is not supported with strategy fsdp; use bf16")
+        return value
 
 
 class CheckpointConfig(_Section):

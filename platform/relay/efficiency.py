@@ -145,14 +145,16 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
 def startup(times: dict[str, float], returned: dict[str, Any]) -> dict[str, float] | None:
     """Start-up breakdown from the driver's clock marks and the workers' (same clock on one
     machine; NTP-close across nodes). After a restart, the worker marks are the last group's."""
-    loop_at, first_step_at = returned.get("loop_started_at"), returned.get("first_step_at")
-    if loop_at is None or first_step_at is None:
+    marks = ("loop_started_at", "data_ready_at", "first_step_at")
+    if any(returned.get(mark) is None for mark in marks):
         return None
+    loop_at, data_at, first_step_at = (returned[mark] for mark in marks)
     return {
         "connect_s": times["connected"] - times["started"],
-        "prepare_s": times["fit_called"] - times["connected"],  # data load, datasets, trainer
-        "worker_group_s": loop_at - times["fit_called"],
-        "first_step_s": first_step_at - loop_at,  # model, shards, data, first step
+        "prepare_s": times["fit_called"] - times["connected"],  # task data, datasets, trainer
+        "worker_group_s": loop_at - times["fit_called"],  # controller, actors, process group
+        "model_and_data_s": data_at - loop_at,  # model, strategy wrapping, the shard's rows
+        "first_step_s": first_step_at - data_at,  # incl. compilation with `compile`
         "total_s": first_step_at - times["started"],
     }
 
@@ -224,8 +226,8 @@ def format_report(report: dict[str, Any]) -> str:
         u = report["startup"]
         lines.append(
             f"  start-up     {u['total_s']:.1f} s = connect {u['connect_s']:.1f} + prepare "
-            f"{u['prepare_s']:.1f} + worker group {u['worker_group_s']:.1f} + first step "
-            f"{u['first_step_s']:.1f}"
+            f"{u['prepare_s']:.1f} + worker group {u['worker_group_s']:.1f} + model and data "
+            f"{u['model_and_data_s']:.1f} + first step {u['first_step_s']:.1f}"
         )
     unit = t["unit"]
     rate = f"{t['samples_per_s']:,.0f} samples/s ({t['samples_per_s_per_worker']:,.0f}/worker)"

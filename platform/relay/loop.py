@@ -223,6 +223,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     train_data, val_data = batches("train", cfg.data.shuffle), batches("val", False)
     train_data.load()
     val_data.load()
+    data_ready_at = time.time()
 
     epochs = Epochs(task, engine, scheduler, cfg)
     for epoch in range(start_epoch, cfg.epochs + 1):
@@ -253,6 +254,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
         "start_epoch": start_epoch,
         "efficiency": report,
         "loop_started_at": loop_started_at,
+        "data_ready_at": data_ready_at,
         "first_step_at": epochs.first_step_at,
     }
 

@@ -181,10 +181,9 @@ class Engine:
         else:
             self.optimizer = optimizer_class(params, **optimizer_kwargs)
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
+        # (config.py refuses fp16 with fsdp: the scaler would not agree across shards.)
         self._scaler = (
-            torch.amp.GradScaler(self.device.type)
-            if cfg.mixed_precision == "fp16" and cfg.strategy != "fsdp"
-            else None
+            torch.amp.GradScaler(self.device.type) if cfg.mixed_precision == "fp16" else None
         )
 
     def _shard(self, model: nn.Module) -> nn.Module:
