@@ -12,9 +12,9 @@ the workers after the last epoch).
 Workload: charlm with `{"d_model": 256, "n_layer": 4, "n_head": 4, "block_size": 128,
 "dropout": 0.0, "corpus_bytes": 48000}`: a 3.26 M-parameter GPT, so model state (fp32 weights,
 gradients and two AdamW moments: ~52 MB per full replica) is large enough to show sharding, and
-~9 steps of batch 16 per worker per epoch (~4-5 s of training in fp32 on this 2-core machine).
-The preset `default` (128 wide) holds 0.8 M parameters; the full 2 MB corpus would take minutes
-per epoch. About 4-5 minutes in all.
+335 training windows give 11 steps of batch 16 per worker per epoch (~6 s of training in fp32,
+~3 s in bf16, on this 2-core machine). The preset `default` (128 wide) holds 0.8 M parameters;
+its full 2 MB corpus would take minutes per epoch. About 4-5 minutes in all.
 
 Per run:
   state/rank   rank 0's parameter + gradient + optimizer bytes (local shards: torch tensors
@@ -22,16 +22,23 @@ Per run:
                (gradients of the last step still allocated). ddp holds everything; zero1
                shards the optimizer state (1/2 of it per rank); fsdp shards all three.
   peak RSS     the rank's process peak resident memory (the report's `peak_memory_bytes` on
-               CPU): it includes the Ray worker process itself (~0.3-0.5 GB of libraries), so
-               differences between strategies are much smaller there than in state/rank.
+               CPU): it includes the Ray worker process itself (torch, Ray, Ray Data: ~0.5 GB
+               with a tiny model), activations, and on rank 0 the full state gathered for the
+               final checkpoint, so it hides most of what sharding saves; state/rank shows it.
   samples/s    steady training throughput: the median of per-epoch samples/s (global training
                samples / seconds of that epoch's training pass) over epochs 2..N, from the run's
                history; epoch 1 (warm-up) is left out. tokens/s = samples/s x block_size (each
-               sample predicts block_size characters). The report's all-epoch figure is in the
-               JSON (`report_samples_per_s`).
+               sample predicts block_size characters). The report's own figure (samples /
+               seconds over the passes it counts: epochs 2..N in current relay) is in the JSON
+               as `report_samples_per_s`.
   val loss     validation loss (nats/char) after the last epoch: strategies should agree within
-               rounding in fp32; bf16 differs a little.
-  comm         the report's gradient-communication share of compute + comm.
+               rounding in fp32; bf16 differs a little, and fsdp's bf16 differs from ddp's and
+               zero1's (FSDP's MixedPrecisionPolicy casts every parameter, embeddings and
+               LayerNorms included, to bf16; autocast keeps those ops in fp32).
+  comm         the report's gradient-communication share of compute + comm (the same
+               micro-step timed with and without gradient sync).
+  MFU          the report's model FLOPs utilisation, against the workers' measured matmul
+               peak in the run's compute dtype (fp32 runs: fp32 peak; bf16 runs: bf16 peak).
 
 The last stdout line is one JSON object: fsdp_state_ratio = fsdp / ddp rank-0 state bytes in
 fp32 (ideal 0.5 on 2 ranks; target <= 0.55), zero1_state_ratio likewise, bf16_speedup = bf16 /
@@ -39,8 +46,9 @@ fp32 steady samples/s under ddp, bf16_speedup_by_strategy, and the raw table. bf
 CPU only with native bf16 matmuls (AVX512-BF16 / AMX); it is slower where they are missing.
 The bench sets RELAY_HOME and the runs' storage to a temporary dir (deleted at the end), starts
 its own local Ray cluster (RAY_ADDRESS=local) and shuts Ray down at the end. Figures are noisy
-when something else is using the CPUs: each run records the 1-minute load average as it ends
-(`load_1m_at_end`) and the bench warns (and counts `busy_runs`) when it exceeds the core count + 1.
+when something else is using the CPUs: each run records the CPU that processes outside the
+bench's own process tree used while it ran (`foreign_cpu_cores`, sampled from /proc every
+second), and the bench warns and counts `busy_runs` when that averages over 0.25 cores.
 """
 
 from __future__ import annotations
@@ -55,8 +63,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# A 1-minute load average above this, as a run ends, means others were using the CPUs too.
-BUSY_LOAD = (os.cpu_count() or 1) + 1.0
+from foreign_cpu import BUSY_CORES, ForeignCPU, busy_text
 
 DEFAULT_MODEL = {
     "d_model": 256,
@@ -133,9 +140,9 @@ def train(cfg_dict: dict[str, Any], block_size: int, show_progress: bool) -> dic
 
     cfg = relay.config.from_dict(cfg_dict)
     called = time.perf_counter()
-    result = relay.trainer.fit(cfg, register=False, out=sys.stderr if show_progress else None)
+    with ForeignCPU() as others:
+        result = relay.trainer.fit(cfg, register=False, out=sys.stderr if show_progress else None)
     wall_s = time.perf_counter() - called
-    load = os.getloadavg()[0]  # 1-minute load average as the run ends: was the machine quiet?
     report = result.efficiency
     if report is None:
         raise RuntimeError(f"run {result.run_id} returned no efficiency report")
@@ -164,7 +171,7 @@ def train(cfg_dict: dict[str, Any], block_size: int, show_progress: bool) -> dic
         "val_loss": result.history[-1]["val_loss"],
         "replicas_in_sync": result.replicas_in_sync,
         "wall_s": wall_s,
-        "load_1m_at_end": load,
+        "foreign_cpu_cores": others.cores,
     }
 
 
@@ -179,7 +186,7 @@ def describe(run: dict[str, Any]) -> str:
         f"{peak / MiB:,.0f} MiB, {run['samples_per_s']:,.1f} samples/s "
         f"({run['tokens_per_s']:,.0f} tokens/s), val loss {run['val_loss']:.4f}, "
         f"wall {run['wall_s']:.1f} s, "
-        f"load {run['load_1m_at_end']:.1f}"
+        f"others' CPU {busy_text(run['foreign_cpu_cores'])}"
     )
 
 
@@ -287,11 +294,12 @@ def main(argv: list[str] | None = None) -> None:
         + f"; wall time {wall_s:.1f} s"
     )
 
-    busy = [r for r in runs if r["load_1m_at_end"] > BUSY_LOAD]
+    busy = [r for r in runs if (r["foreign_cpu_cores"] or 0.0) > BUSY_CORES]
     if busy:
         print(
-            f"warning: the 1-minute load average exceeded {BUSY_LOAD:.0f} at the end of "
-            f"{len(busy)} run(s): something else was using the CPUs; figures are unreliable"
+            f"warning: other processes used more than {BUSY_CORES} cores on average during "
+            f"{len(busy)} run(s) ({', '.join(busy_text(r['foreign_cpu_cores']) for r in busy)}): "
+            "the figures are unreliable; rerun on a quiet machine"
         )
 
     summary = {

@@ -125,8 +125,9 @@ class ScalingConfig(_Section):
 class ParallelConfig(_Section):
     """How the model, its gradients and its optimizer state are spread over the workers.
 
-    Every strategy trains the same model to the same result (up to float rounding) and
-    writes the same portable checkpoint; they differ in memory per worker and communication.
+    In fp32 every strategy trains the same model to the same result (up to float rounding);
+    in bf16 fsdp also gathers the parameters in bf16, so its numbers drift a little further.
+    All write the same portable checkpoint; they differ in memory per worker and communication.
     """
 
     strategy: Literal["ddp", "zero1", "fsdp"] = Field(

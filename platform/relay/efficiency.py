@@ -26,9 +26,21 @@ if TYPE_CHECKING:  # the driver imports this module; torch and Ray load only on 
 # --- on the workers (every rank calls `measure`: it is a collective) ---------------------------
 
 
-def measure(task: Task, engine: parallel.Engine, epochs: Epochs, batch: Batch, cfg: RunConfig):
+# Bumped whenever a figure's definition changes: speedups compare reports of one version only.
+REPORT_VERSION = 2
+
+
+def measure(
+    task: Task,
+    engine: parallel.Engine,
+    epochs: Epochs,
+    batch: Batch,
+    cfg: RunConfig,
+    memory_at_start: int,
+):
     """Measure this process's training and return the combined report on rank 0 (None on the
-    others). Runs after the last epoch, so it costs a few extra steps and changes no weights."""
+    others). Runs after the last epoch, so it costs a few extra steps and changes no weights.
+    `memory_at_start`: what the rank held before it built anything (`current_memory()`)."""
     import torch
 
     from relay import parallel
@@ -47,7 +59,9 @@ def measure(task: Task, engine: parallel.Engine, epochs: Epochs, batch: Batch, c
             "rank": parallel.rank(),
             **state,
             "peak_memory_bytes": memory["bytes"],
+            "memory_at_start_bytes": memory_at_start,
             "matmul_peak_flops": peak,
+            "probe_samples": len(next(iter(batch.values()))),
             **timings,
         }
     )
@@ -82,11 +96,15 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
     step_s = steady["seconds"] / steady["steps"]
     local_s = _mean([r["local_step_s"] for r in ranks])
     synced_s = _mean([r["synced_step_s"] for r in ranks])
-    compute_s = local_s * cfg.parallel.grad_accum
+    # The probe is one full micro-batch; training steps average in each epoch's shorter last
+    # batch, so compute scales to the mean samples per micro-batch actually trained.
+    mean_micro_batch = steady["samples"] / world / steady["steps"] / cfg.parallel.grad_accum
+    compute_s = local_s * cfg.parallel.grad_accum * mean_micro_batch / ranks[0]["probe_samples"]
     comm_s = max(0.0, synced_s - local_s) if world > 1 else 0.0
     peak_total = sum(r["matmul_peak_flops"] for r in ranks)
     achieved = flops_per_sample * samples_per_s
     return {
+        "report_version": REPORT_VERSION,
         "workers": world,
         "strategy": cfg.parallel.strategy,
         "mixed_precision": cfg.parallel.mixed_precision,
@@ -111,6 +129,7 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
             "comm_s": comm_s,
             "other_s": max(0.0, step_s - compute_s - comm_s),
             "comm_fraction": comm_s / (compute_s + comm_s) if compute_s + comm_s else 0.0,
+            # fsdp's parameter all-gathers run in both timings, so they count as compute.
             "method": "same micro-batch timed with and without gradient synchronisation",
         },
         "flops": {
@@ -128,6 +147,7 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
                     for key in (
                         "rank",
                         "peak_memory_bytes",
+                        "memory_at_start_bytes",
                         "param_bytes",
                         "grad_bytes",
                         "optimizer_bytes",
@@ -177,6 +197,7 @@ def find_reference(storage: Path, cfg: RunConfig, run_id: str) -> dict[str, Any]
         if (
             record.get("run_id") != run_id
             and record.get("status") == "finished"
+            and report.get("report_version") == REPORT_VERSION
             and report.get("workers") == 1
             and _comparable(record.get("config", {})) == wanted
         ):
@@ -247,7 +268,8 @@ def format_report(report: dict[str, Any]) -> str:
     )
     for r in m["per_rank"]:
         lines.append(
-            f"  rank {r['rank']:<7} peak {human_bytes(r['peak_memory_bytes'])} ({m['kind']}); "
+            f"  rank {r['rank']:<7} peak {human_bytes(r['peak_memory_bytes'])} ({m['kind']}; "
+            f"{human_bytes(r['memory_at_start_bytes'])} at start); "
             f"params {human_bytes(r['param_bytes'])}, grads {human_bytes(r['grad_bytes'])}, "
             f"optimizer {human_bytes(r['optimizer_bytes'])}"
         )

@@ -185,6 +185,7 @@ def _restore(model: nn.Module, ckpt: ray.train.Checkpoint | None) -> tuple[int, 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     """Train `loop_config["run"]` (a RunConfig as a dict) on this worker; see trainer.py."""
     loop_started_at = time.time()
+    memory_at_start = parallel.current_memory()  # the worker process before any training state
     cfg = RunConfig.model_validate(loop_config["run"])
     run_dir = Path(loop_config["run_dir"])
     parallel.set_threads(cfg.scaling.threads_per_worker, loop_config["cpus_per_worker"])
@@ -245,7 +246,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     report = None
     if epochs.passes:
         probe = next(iter(train_data.epoch(0)))
-        report = efficiency.measure(task, engine, epochs, probe, cfg)
+        report = efficiency.measure(task, engine, epochs, probe, cfg, memory_at_start)
     digests = parallel.gather_objects(engine.replica_digest())
     if not parallel.is_main():
         return None

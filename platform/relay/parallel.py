@@ -32,6 +32,7 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from relay import checkpoint
@@ -132,8 +133,6 @@ def tied_aliases(model: nn.Module) -> set[str]:
 
 # --- the strategy engine -----------------------------------------------------------------------
 
-OptimizerFactory = Callable[..., torch.optim.Optimizer]  # (params, **kwargs) → optimizer
-
 
 class Engine:
     """The model as the loop sees it: wrapped for the configured strategy, with its optimizer,
@@ -173,8 +172,6 @@ class Engine:
             self.model = ray.train.torch.prepare_model(model)
         params = list(self.model.parameters())
         if cfg.strategy == "zero1" and _distributed():
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
             self.optimizer = ZeroRedundancyOptimizer(
                 params, optimizer_class=optimizer_class, **optimizer_kwargs
             )
@@ -311,7 +308,7 @@ class Engine:
         return checkpoint.optimizer_state_by_name(state, self._names)
 
     def _is_zero(self) -> bool:
-        return type(self.optimizer).__name__ == "ZeroRedundancyOptimizer"
+        return isinstance(self.optimizer, ZeroRedundancyOptimizer)
 
     # --- what it costs ---
 
@@ -391,6 +388,14 @@ def matmul_peak_flops(dtype: torch.dtype = torch.float32, size: int = 1024) -> f
         synchronize()
         best = min(best, (time.perf_counter() - started) / 4)
     return 2 * size**3 / best
+
+
+def current_memory() -> int:
+    """Memory this rank holds now: allocated on GPU, the process's resident set on CPU."""
+    if device().type == "cuda":
+        return torch.cuda.memory_allocated(device())
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
 
 
 def peak_memory() -> dict[str, Any]:

@@ -1,0 +1,87 @@
+"""CPU that others use while a benchmark runs: the figures of a run that shared the machine
+are unreliable, and load averages cannot tell a benchmark's own Ray cluster from someone else's
+work. Shared by bench/strategies.py and bench/scaling.py."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+# Average CPU cores used by others during a run above this: the figures are unreliable.
+BUSY_CORES = 0.25
+
+
+class ForeignCPU:
+    """CPU used by processes outside this benchmark's process tree (this process and its
+    descendants: Ray's daemons and workers) while a run trains, in cores (CPU-seconds per
+    second). Sampled from /proc every `interval` s; processes that live less than that are
+    missed. `cores` is None where /proc is not available."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self._interval = interval
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="foreign-cpu", daemon=True)
+        self._ticks = 0
+        self._started = 0.0
+        self.cores: float | None = None
+
+    @staticmethod
+    def _snapshot() -> dict[int, tuple[int, int]]:
+        """pid → (parent pid, user + system clock ticks so far)."""
+        out = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    raw = f.read()
+            except OSError:
+                continue
+            fields = raw[raw.rindex(b")") + 2 :].split()  # after "pid (comm) "
+            out[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+        return out
+
+    @staticmethod
+    def _ours(snapshot: dict[int, tuple[int, int]]) -> set[int]:
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _) in snapshot.items():
+            children.setdefault(ppid, []).append(pid)
+        ours, todo = set(), [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            ours.add(pid)
+            todo.extend(children.get(pid, []))
+        return ours
+
+    def _poll(self) -> None:
+        before = self._snapshot()
+        while True:
+            stopping = self._stop.wait(self._interval)
+            now = self._snapshot()
+            ours = self._ours(now)
+            for pid, (ppid, ticks) in now.items():
+                if pid in ours or pid == 2 or ppid == 2:  # ours, or kernel threads
+                    continue
+                self._ticks += ticks - before.get(pid, (ppid, 0))[1]
+            before = now
+            if stopping:  # the last, partial interval is counted too
+                return
+
+    def __enter__(self) -> ForeignCPU:
+        if os.path.isdir("/proc"):
+            self._started = time.perf_counter()
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+            seconds = time.perf_counter() - self._started
+            self.cores = self._ticks / self._tick / seconds if seconds > 0 else None
+
+
+def busy_text(cores: float | None) -> str:
+    return "n/a" if cores is None else f"{cores:.2f} cores"
