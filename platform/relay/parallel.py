@@ -169,7 +169,10 @@ class Engine:
             self.model = self._shard(model)
         else:
             # DDP broadcasts rank 0's parameters on construction: every replica starts equal.
-            self.model = ray.train.torch.prepare_model(model)
+            # Gradients as views into DDP's communication buckets: no copy in or out of them.
+            self.model = ray.train.torch.prepare_model(
+                model, parallel_strategy_kwargs={"gradient_as_bucket_view": True}
+            )
         params = list(self.model.parameters())
         if cfg.strategy == "zero1" and _distributed():
             self.optimizer = ZeroRedundancyOptimizer(
