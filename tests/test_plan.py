@@ -102,6 +102,10 @@ def test_bf16_shrinks_activations_and_gathered_parameters():
     assert bf16["ddp"]["model_state_bytes"] == fp32["ddp"]["model_state_bytes"]
     # FSDP gathers parameters in the compute dtype: half of fp32's.
     assert bf16["fsdp"]["gathered_param_bytes"] * 2 == fp32["fsdp"]["gathered_param_bytes"]
+    # fp16 under fsdp is refused by the config, and the plan says so rather than sizing it.
+    fp16 = report["precisions"]["fp16"]
+    assert fp16["ddp"]["supported"] and not fp16["fsdp"]["supported"]
+    assert fp16["fsdp"]["fits"] is False
 
 
 @pytest.mark.timeout(120)

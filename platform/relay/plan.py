@@ -305,6 +305,7 @@ def per_rank(
         "activation_bytes": activation_bytes,
         "total_bytes": total,
         "fits": total <= device_memory,
+        "supported": True,
     }
 
 
@@ -345,6 +346,8 @@ def plan(
             )
             for strategy in STRATEGIES
         }
+        if name == "fp16":  # config.py refuses fp16 with fsdp (no loss scaler across shards)
+            precisions[name]["fsdp"].update(supported=False, fits=False)
     configured = activations[par.mixed_precision]
     return {
         "task": cfg.task,
@@ -426,7 +429,12 @@ def render(report: dict[str, Any]) -> str:
         totals = report["precisions"][precision]
         lines.append(
             f"with {precision}: "
-            + ", ".join(f"{s} {human(totals[s]['total_bytes'])}" for s in STRATEGIES)
+            + ", ".join(
+                f"{s} {human(totals[s]['total_bytes'])}"
+                if totals[s]["supported"]
+                else f"{s} not supported"
+                for s in STRATEGIES
+            )
             + " per rank"
         )
     return "\n".join(lines)
