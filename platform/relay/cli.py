@@ -186,7 +186,16 @@ def _run_summary(record: dict[str, Any]) -> str:
     score = f"{metric}={metrics[metric]:.4g}" if metric in metrics else ""
     epochs = f"epochs={metrics.get('epoch', '-')}"
     status = record.get("status", "?")
-    return f"{record['run_id']:<40} {status:<9} {record['task']:<12} {epochs:<10} {score}"
+    config = record.get("config", {})
+    workers = (record.get("efficiency") or {}).get("workers") or config.get("scaling", {}).get(
+        "num_workers", "?"
+    )
+    if isinstance(workers, list):  # elastic, and no report yet
+        workers = "-".join(map(str, workers))
+    layout = f"{config.get('parallel', {}).get('strategy', 'ddp')}:{workers}w"
+    return (
+        f"{record['run_id']:<40} {status:<9} {record['task']:<12} {layout:<9} {epochs:<10} {score}"
+    )
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
