@@ -13,6 +13,15 @@ from relay import background, history
 _SKIP = {"epoch", "samples_per_s", "epoch_s", "lr", "time"}
 
 
+def human_bytes(n: float) -> str:
+    """Bytes as '812 B', '12.3 MiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def _number(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if abs(value) < 1e-3 or abs(value) >= 1e5 else f"{value:.4f}"

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from relay.console import human_bytes
+
 if TYPE_CHECKING:  # the driver imports this module; torch and Ray load only on the workers
     from pathlib import Path
 
@@ -41,16 +43,13 @@ def measure(
     """Measure this process's training and return the combined report on rank 0 (None on the
     others). Runs after the last epoch, so it costs a few extra steps and changes no weights.
     `memory_at_start`: what the rank held before it built anything (`current_memory()`)."""
-    import torch
 
     from relay import parallel
 
     state = engine.state_bytes()  # gradients of the last step are still allocated
     timings = engine.time_micro_steps(lambda: task.loss_and_stats(engine.model, batch)[0])
     memory = parallel.peak_memory()
-    dtype = torch.bfloat16 if cfg.parallel.mixed_precision == "bf16" else torch.float32
-    if cfg.parallel.mixed_precision == "fp16":
-        dtype = torch.float16
+    dtype = engine.compute_dtype
     parallel.barrier()  # every rank measures its peak at once: the cores are shared as in training
     peak = parallel.matmul_peak_flops(dtype)
     flops_per_sample = model_flops_per_sample(task, batch) if parallel.is_main() else None
@@ -220,14 +219,6 @@ def add_reference(report: dict[str, Any], reference: dict[str, Any] | None) -> N
 
 
 # --- for people -------------------------------------------------------------------------------
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _flops(n: float) -> str:

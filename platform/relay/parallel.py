@@ -78,6 +78,14 @@ def synchronize() -> None:
         torch.cuda.synchronize(device())
 
 
+# `parallel.mixed_precision` → the compute dtype (None: fp32, no autocast).
+PRECISION_DTYPES: dict[str, torch.dtype | None] = {
+    "none": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
 # --- model surgery: units, activation checkpointing, compile ---------------------------------
 
 
@@ -162,9 +170,7 @@ class Engine:
             apply_activation_checkpointing(model)
         if cfg.compile:
             compile_model(model)
-        self._dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[
-            cfg.mixed_precision
-        ]
+        self._dtype = PRECISION_DTYPES[cfg.mixed_precision]
         if cfg.strategy == "fsdp":
             self.model = self._shard(model)
         else:
@@ -201,6 +207,11 @@ class Engine:
         # for the whole step anyway, so it is not resharded after forward.
         fully_shard(model, reshard_after_forward=False, mp_policy=policy)
         return model
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype forward and backward compute in (fp32 without mixed precision)."""
+        return self._dtype or torch.float32
 
     @property
     def plain(self) -> nn.Module:

@@ -56,16 +56,12 @@ import torch
 from torch import nn
 
 from relay.config import ConfigError, RunConfig
+from relay.console import human_bytes
 from relay.loop import build_optimizer
-from relay.parallel import apply_activation_checkpointing, units
+from relay.parallel import PRECISION_DTYPES, apply_activation_checkpointing, units
 from relay.tasks import Task, build_task
 
 STRATEGIES = ("ddp", "zero1", "fsdp")
-PRECISIONS: dict[str, torch.dtype | None] = {
-    "none": None,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
 PROBE_BATCHES = (2, 4)  # two small batches fit the line; batch 1 can take special code paths
 
 # --- sizes in and out ----------------------------------------------------------------------
@@ -94,15 +90,6 @@ def parse_bytes(text: str) -> int:
     if not math.isfinite(value) or value < 1:
         raise ValueError(f"{text!r} must be at least 1 byte")
     return int(value)
-
-
-def human(n: float) -> str:
-    """Bytes as '812 B', '12.3 MiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def default_device_memory() -> tuple[int, str]:
@@ -330,7 +317,7 @@ def plan(
 
     par = cfg.parallel
     precisions, activations = {}, {}
-    for name, dtype in PRECISIONS.items():
+    for name, dtype in PRECISION_DTYPES.items():
         activations[name] = measure_activations(build_model, task, columns, dtype)
         act = activations[name][par.activation_checkpointing].at(cfg.batch_size)
         compute_bytes = dtype.itemsize if dtype is not None else fp32_bytes
@@ -392,7 +379,7 @@ _ROWS = (
 def render(report: dict[str, Any]) -> str:
     """The report as a table per rank, strategies side by side."""
     strategies = report["strategies"]
-    memory = human(report["device_memory_bytes"])
+    memory = human_bytes(report["device_memory_bytes"])
     source = f" ({report['device_memory_source']})" if report["device_memory_source"] else ""
     checkpointing = "on" if report["activation_checkpointing"] else "off"
     model = report["model"]
@@ -405,7 +392,7 @@ def render(report: dict[str, Any]) -> str:
         f"{'per rank':<16}" + "".join(f"{name:>14}" for name in STRATEGIES),
     ]
     for label, key in _ROWS:
-        cells = (human(strategies[s][key]) for s in STRATEGIES)
+        cells = (human_bytes(strategies[s][key]) for s in STRATEGIES)
         lines.append(f"{label:<16}" + "".join(f"{cell:>14}" for cell in cells))
     lines.append(
         f"{'fits':<16}"
@@ -419,10 +406,11 @@ def render(report: dict[str, Any]) -> str:
         else f"nothing fits in {memory}: fewer samples per batch, more workers, bf16, or "
         "activation checkpointing"
     )
+    without = human_bytes(report["activation_bytes_without_checkpointing"])
+    with_checkpointing = human_bytes(report["activation_bytes_with_checkpointing"])
     lines.append(
-        f"activations per micro-batch: {human(report['activation_bytes_without_checkpointing'])}"
-        f" without activation checkpointing, "
-        f"{human(report['activation_bytes_with_checkpointing'])} with it"
+        f"activations per micro-batch: {without} without activation checkpointing, "
+        f"{with_checkpointing} with it"
     )
     others = [p for p in report["precisions"] if p != report["mixed_precision"]]
     for precision in others:
@@ -430,7 +418,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(
             f"with {precision}: "
             + ", ".join(
-                f"{s} {human(totals[s]['total_bytes'])}"
+                f"{s} {human_bytes(totals[s]['total_bytes'])}"
                 if totals[s]["supported"]
                 else f"{s} not supported"
                 for s in STRATEGIES
