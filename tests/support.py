@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,16 +24,10 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def first_batch(task, columns, n: int):
-    """The first `n` rows of numpy columns as the torch batch the loop would feed the task."""
-    import torch
-
-    dtypes = task.input_columns()
-    batch = {}
-    for name, array in columns.items():
-        tensor = torch.as_tensor(array[:n])
-        batch[name] = tensor.to(dtypes.get(name, tensor.dtype))
-    return batch
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def session_members(sid: int) -> list[int]:

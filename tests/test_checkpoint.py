@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from support import first_batch
 
 from relay import checkpoint
 from relay.config import ScheduleConfig
@@ -23,7 +22,7 @@ def _trained(name: str):
     model = task.build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     scheduler = build_scheduler(ScheduleConfig(name="cosine"), optimizer, 10, 3)
-    batch = first_batch(task, split.train, 32)
+    batch = task.first_rows(split.train, 32)
     for _ in range(3):
         loss, _ = task.loss_and_stats(model, batch)
         optimizer.zero_grad()

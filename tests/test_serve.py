@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 import requests
 import torch
 import yaml
-from support import REPO
+from support import REPO, free_port
 
 from relay import checkpoint, cli, config, registry
 from relay.tasks import Task, TaskSize, build_task
@@ -61,12 +60,6 @@ def make_version(storage: Path, task_name: str, steps: int, model_name: str | No
     entry = {"checkpoint": str(directory), "run_id": run_id, "task": task_name, "score": None}
     name = model_name or registry.default_model_name(task_name)
     return registry.register_version(storage, name, entry)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def images(n: int, offset: int = 0) -> list[list[float]]:

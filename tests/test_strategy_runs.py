@@ -6,12 +6,11 @@ that turns a report's throughput into speedup and scaling efficiency.
 
 from __future__ import annotations
 
-import socket
 import sys
 
 import pytest
 import requests
-from support import REPO
+from support import REPO, free_port
 
 import relay
 from relay import checkpoint, history, registry, sweep
@@ -104,12 +103,6 @@ def test_efficiency_reports_are_consistent(strategy_sweep):
     )  # each rank holds its part of one copy
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_fsdp_trained_model_serves_like_the_offline_model(strategy_sweep, relay_home):
     from ray import serve
 
@@ -123,7 +116,7 @@ def test_fsdp_trained_model_serves_like_the_offline_model(strategy_sweep, relay_
     instances = [{"prompt": "def main(", "max_new_tokens": 16, "temperature": 0}]
     offline = [p.model_dump() for p in task.predict(model, task.validate_instances(instances))]
 
-    port = _free_port()
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app(AppArgs(model=directory, num_cpus=0.5)), name="fsdp", route_prefix="/")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from support import first_batch
 
 from relay.tasks import BUILTIN, build_task, resolve_task_class
 from relay.tasks.charlm import read_corpus
@@ -20,7 +19,7 @@ def test_debug_task_learns_in_one_process(name):
     torch.manual_seed(0)
     model = task.build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    batch = first_batch(task, split.train, 64)
+    batch = task.first_rows(split.train, 64)
     losses = []
     for _ in range(30):
         loss, stats = task.loss_and_stats(model, batch)

@@ -6,7 +6,6 @@ import math
 from pathlib import Path
 
 import pytest
-from support import first_batch
 
 import relay
 from relay import checkpoint, registry
@@ -53,7 +52,7 @@ def test_builtin_task_trains_with_two_ddp_workers(ray_cluster, relay_home, name)
     task = build_task(name, "debug")
     model = checkpoint.load_weights(best, task.build_model()).eval()
     split = task.load_data(cfg.data.val_fraction, cfg.seed)
-    loss, _ = task.loss_and_stats(model, first_batch(task, split.val, 64))
+    loss, _ = task.loss_and_stats(model, task.first_rows(split.val, 64))
     assert math.isfinite(loss.item())
 
     record = registry.get_run(relay_home, result.run_id)

@@ -34,17 +34,17 @@ def versions() -> dict[str, str]:
     return {"relay": __version__, "ray": ray.__version__, "torch": torch.__version__}
 
 
+def tied_aliases(module: nn.Module) -> set[str]:
+    """Parameter names that alias another parameter (tied embeddings). safetensors refuses
+    tensors that share storage, so each is stored once; the module's own tying restores the
+    alias on load (see load_weights)."""
+    every = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    return every - {name for name, _ in module.named_parameters()}
+
+
 def _plain_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    # safetensors refuses tensors that share storage (tied embeddings): store each once; the
-    # module's own tying restores the alias on load (see load_weights).
-    state, seen = {}, set()
-    for name, tensor in module.state_dict().items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
-        if tensor.numel() and key in seen:
-            continue
-        seen.add(key)
-        state[name] = tensor.detach().cpu().contiguous()
-    return state
+    tied = tied_aliases(module)
+    return {k: v.detach().cpu() for k, v in module.state_dict().items() if k not in tied}
 
 
 def save(
@@ -116,10 +116,7 @@ def load_weights(directory: str | Path, module: nn.Module) -> nn.Module:
     """Load weights into `module` in place; only tied aliases may be absent from the file."""
     state = load_file(Path(directory) / WEIGHTS)
     missing, unexpected = module.load_state_dict(state, strict=False)
-    tied = {n for n, p in module.named_parameters(remove_duplicate=False)} - {
-        n for n, _ in module.named_parameters()
-    }
-    really_missing = [name for name in missing if name not in tied]
+    really_missing = [name for name in missing if name not in tied_aliases(module)]
     if really_missing or unexpected:
         raise ValueError(
             f"checkpoint {directory} does not fit the model: "

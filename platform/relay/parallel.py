@@ -133,12 +133,6 @@ def compile_model(model: nn.Module) -> None:
         target.forward = torch.compile(target.forward)
 
 
-def tied_aliases(model: nn.Module) -> set[str]:
-    """Parameter names that alias another parameter (tied embeddings): saved once."""
-    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    return every - {name for name, _ in model.named_parameters()}
-
-
 # --- the strategy engine -----------------------------------------------------------------------
 
 
@@ -164,7 +158,7 @@ class Engine:
     ) -> None:
         self.cfg = cfg
         self.device = device()
-        self._tied = tied_aliases(model)
+        self._tied = checkpoint.tied_aliases(model)
         self._names = [name for name, _ in model.named_parameters()]
         if cfg.activation_checkpointing:
             apply_activation_checkpointing(model)

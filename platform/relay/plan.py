@@ -125,16 +125,6 @@ class Activations:
         return max(0, round(self.fixed + self.per_sample * batch))
 
 
-def sample_batch(task: Task, columns: dict[str, Any], n: int) -> dict[str, torch.Tensor]:
-    """The first `n` training rows as the tensors the loop would feed the task."""
-    dtypes = task.input_columns()
-    batch = {}
-    for name, array in columns.items():
-        tensor = torch.as_tensor(array[:n])
-        batch[name] = tensor.to(dtypes.get(name, tensor.dtype))
-    return batch
-
-
 def measure_model_state(cfg: RunConfig, task: Task, batch: dict[str, torch.Tensor]) -> ModelState:
     model = task.build_model().train()
     params = list(model.parameters())  # deduplicated: a tied weight is one parameter
@@ -234,7 +224,7 @@ def measure_activations(
     rows = len(next(iter(columns.values())))
     points: dict[bool, list[tuple[int, int]]] = {False: [], True: []}
     for n in sorted({min(b, rows) for b in PROBE_BATCHES}):
-        batch = sample_batch(task, columns, n)
+        batch = task.first_rows(columns, n)
         torch.manual_seed(0)  # the same dropout masks for both models
         plain_total, unit_peak = saved_bytes(plain, task, batch, dtype, checkpointed=False)
         torch.manual_seed(0)
@@ -308,7 +298,7 @@ def plan(
         columns = task.load_data(cfg.data.val_fraction, cfg.seed).train
     except (OSError, ValueError) as exc:  # e.g. a data.path that is missing or empty
         raise ConfigError(f"data.path: {exc}") from None
-    state = measure_model_state(cfg, task, sample_batch(task, columns, min(PROBE_BATCHES)))
+    state = measure_model_state(cfg, task, task.first_rows(columns, min(PROBE_BATCHES)))
     fp32_bytes = state.param_bytes // max(state.parameters, 1)
 
     def build_model() -> nn.Module:

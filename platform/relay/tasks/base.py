@@ -158,6 +158,15 @@ class Task(ABC):
         """The dtype each batch column is converted to on the way into torch."""
         return {}
 
+    def first_rows(self, columns: dict[str, Any], n: int) -> Batch:
+        """The first `n` rows of numpy columns as the torch batch the loop would feed."""
+        dtypes = self.input_columns()
+        batch = {}
+        for name, array in columns.items():
+            tensor = torch.as_tensor(array[:n])
+            batch[name] = tensor.to(dtypes.get(name, tensor.dtype))
+        return batch
+
     @classmethod
     def servable(cls) -> bool:
         """Whether this task has what serving needs: both schemas and its own `predict`."""
