@@ -5,8 +5,10 @@ work. Shared by bench/strategies.py and bench/scaling.py."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+from typing import Any
 
 # Average CPU cores used by others during a run above this: the figures are unreliable.
 BUSY_CORES = 0.25
@@ -85,3 +87,30 @@ class ForeignCPU:
 
 def busy_text(cores: float | None) -> str:
     return "n/a" if cores is None else f"{cores:.2f} cores"
+
+
+def fit_watched(cfg_dict: dict[str, Any], show_progress: bool):
+    """`relay.trainer.fit` of a config dict, watched: (result, wall seconds, others' cores)."""
+    import relay.config
+    import relay.trainer
+
+    cfg = relay.config.from_dict(cfg_dict)
+    called = time.perf_counter()
+    with ForeignCPU() as others:
+        result = relay.trainer.fit(cfg, register=False, out=sys.stderr if show_progress else None)
+    wall_s = time.perf_counter() - called
+    if result.efficiency is None:
+        raise RuntimeError(f"run {result.run_id} returned no efficiency report")
+    return result, wall_s, others.cores
+
+
+def warn_if_busy(runs: list[dict[str, Any]]) -> int:
+    """Print a warning for runs others' CPU disturbed; returns how many there were."""
+    busy = [r for r in runs if (r["foreign_cpu_cores"] or 0.0) > BUSY_CORES]
+    if busy:
+        print(
+            f"warning: other processes used more than {BUSY_CORES} cores on average during "
+            f"{len(busy)} run(s) ({', '.join(busy_text(r['foreign_cpu_cores']) for r in busy)}): "
+            "the figures are unreliable; rerun on a quiet machine"
+        )
+    return len(busy)

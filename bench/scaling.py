@@ -77,7 +77,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from foreign_cpu import BUSY_CORES, ForeignCPU, busy_text
+from foreign_cpu import busy_text, fit_watched, warn_if_busy
 
 DEFAULT_TASK = "regression"
 DEFAULT_MODEL = {"features": 1024, "hidden": [2048, 2048], "samples": 15_360}
@@ -138,23 +138,14 @@ def run_config(args: argparse.Namespace, storage: Path, workers: int) -> dict[st
 
 
 def train(cfg_dict: dict[str, Any], show_progress: bool) -> dict[str, Any]:
-    import relay.config
-    import relay.trainer
-
-    cfg = relay.config.from_dict(cfg_dict)
-    called = time.perf_counter()
-    with ForeignCPU() as others:
-        result = relay.trainer.fit(cfg, register=False, out=sys.stderr if show_progress else None)
-    wall_s = time.perf_counter() - called
+    result, wall_s, others_cores = fit_watched(cfg_dict, show_progress)
     report = result.efficiency
-    if report is None:
-        raise RuntimeError(f"run {result.run_id} returned no efficiency report")
     per_epoch = [m["samples_per_s"] for m in result.history]
     return {
         "run_id": result.run_id,
         "workers": report["workers"],
         "wall_s": wall_s,
-        "foreign_cpu_cores": others.cores,
+        "foreign_cpu_cores": others_cores,
         "startup_s": result.startup_s,
         "samples_per_s": report["throughput"]["samples_per_s"],
         "steady_samples_per_s": statistics.median(per_epoch[1:]),
@@ -248,16 +239,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  per-epoch samples/s, {run['workers']} worker(s): {values}")
     print(f"wall time {wall_s:.1f} s")
 
-    busy = [r for r in runs if (r["foreign_cpu_cores"] or 0.0) > BUSY_CORES]
-    if busy:
-        print(
-            f"warning: other processes used more than {BUSY_CORES} cores on average during "
-            f"{len(busy)} run(s) ({', '.join(busy_text(r['foreign_cpu_cores']) for r in busy)}): "
-            "the figures are unreliable; rerun on a quiet machine"
-        )
+    busy = warn_if_busy(runs)
 
     summary = {
-        "busy_runs": len(busy),
+        "busy_runs": busy,
         "speedup_2w": speedup,
         "speedup_2w_steady": speedup_steady,
         "relay_reference_speedup": relay_speedup,

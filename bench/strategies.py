@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from foreign_cpu import BUSY_CORES, ForeignCPU, busy_text
+from foreign_cpu import busy_text, fit_watched, warn_if_busy
 
 DEFAULT_MODEL = {
     "d_model": 256,
@@ -135,24 +135,15 @@ def run_config(args: argparse.Namespace, storage: Path, strategy: str, precision
 
 
 def train(cfg_dict: dict[str, Any], block_size: int, show_progress: bool) -> dict[str, Any]:
-    import relay.config
-    import relay.trainer
-
-    cfg = relay.config.from_dict(cfg_dict)
-    called = time.perf_counter()
-    with ForeignCPU() as others:
-        result = relay.trainer.fit(cfg, register=False, out=sys.stderr if show_progress else None)
-    wall_s = time.perf_counter() - called
+    result, wall_s, others_cores = fit_watched(cfg_dict, show_progress)
     report = result.efficiency
-    if report is None:
-        raise RuntimeError(f"run {result.run_id} returned no efficiency report")
     ranks = report["memory"]["per_rank"]
     state = [r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in ranks]
     per_epoch = [m["samples_per_s"] for m in result.history]
     steady = statistics.median(per_epoch[1:])
     return {
-        "strategy": cfg.parallel.strategy,
-        "precision": cfg.parallel.mixed_precision,
+        "strategy": report["strategy"],
+        "precision": report["mixed_precision"],
         "run_id": result.run_id,
         "state_bytes_rank0": state[0],
         "state_bytes_per_rank": state,
@@ -171,7 +162,7 @@ def train(cfg_dict: dict[str, Any], block_size: int, show_progress: bool) -> dic
         "val_loss": result.history[-1]["val_loss"],
         "replicas_in_sync": result.replicas_in_sync,
         "wall_s": wall_s,
-        "foreign_cpu_cores": others.cores,
+        "foreign_cpu_cores": others_cores,
     }
 
 
@@ -294,16 +285,10 @@ def main(argv: list[str] | None = None) -> None:
         + f"; wall time {wall_s:.1f} s"
     )
 
-    busy = [r for r in runs if (r["foreign_cpu_cores"] or 0.0) > BUSY_CORES]
-    if busy:
-        print(
-            f"warning: other processes used more than {BUSY_CORES} cores on average during "
-            f"{len(busy)} run(s) ({', '.join(busy_text(r['foreign_cpu_cores']) for r in busy)}): "
-            "the figures are unreliable; rerun on a quiet machine"
-        )
+    busy = warn_if_busy(runs)
 
     summary = {
-        "busy_runs": len(busy),
+        "busy_runs": busy,
         "fsdp_state_ratio": fsdp_ratio,
         "zero1_state_ratio": zero1_ratio,
         "bf16_speedup": bf16_speedups.get("ddp"),
