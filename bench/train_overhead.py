@@ -2,15 +2,21 @@
 
 What relay costs over plain `torchrun` for the same DDP training, measured in one run.
 
-Both sides train the same task model (`relay.tasks.build_task(task, size, model)`), on the same
-data split, with 2 CPU workers (DDP over gloo, one intra-op thread each), the same optimizer,
-per-worker batch size, epochs, per-epoch shuffle and validation pass:
+Both sides run one RunConfig (the same dict, validated by `relay.config.from_dict`) and the
+same epoch code: relay's workers and the torchrun processes both drive `relay.epochs.Epochs`
+over `relay.parallel.Engine` (DDP over gloo with the same options, e.g.
+`gradient_as_bucket_view`), build the optimizer and LR schedule with the same builders, iterate
+the cached shard with `relay.epochs.CachedBatches`, and stop the training-pass clock at the same
+point (inside `Epochs.train`, before the statistics' all-reduce). Same task model, data split,
+seed, workers, intra-op threads, per-worker batch size, epochs, per-epoch shuffle and
+validation pass:
 
-  relay     `relay.train(cfg)`: a 2-worker Ray Train V2 TorchTrainer, config from
-            `relay.config.from_dict`, runs stored in a temp dir, relay's defaults otherwise
-            (a checkpoint every epoch, report poll every 0.1 s).
-  torchrun  `torchrun --nproc_per_node 2` of bench/torchrun_ddp.py: relay's loop without Ray
-            (no reports, no checkpoints).
+  relay     `relay.train(cfg)`: a 2-worker Ray Train V2 TorchTrainer, runs stored in a temp dir,
+            relay's defaults otherwise (a checkpoint every epoch, report poll every 0.1 s).
+  torchrun  `torchrun --nproc_per_node 2` of bench/torchrun_ddp.py (launched by
+            bench/torchrun.py): the same epochs without Ray, so no reports and no checkpoints,
+            and each rank's shard a contiguous slice of floor(rows / 2) rows instead of Ray
+            Data's equal split (the same number of rows, not the same rows).
 
 Figures:
   steady samples/s       median over epochs 2..N (all repeats pooled) of per-epoch samples/s =
@@ -51,9 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -61,11 +65,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torchrun import run_torchrun
+
 import relay
 import relay.config
 from relay.tasks import build_task
 
-HERE = Path(__file__).resolve().parent
 DEFAULT_MODEL = {"digits": {"hidden": [2048, 2048]}}
 
 
@@ -112,63 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def steady(values: list[float]) -> float:
     return statistics.median(values)
-
-
-# --- torchrun -------------------------------------------------------------------------------
-
-
-def run_torchrun(cfg: relay.config.RunConfig, out_dir: Path, index: int) -> dict[str, Any]:
-    torchrun = Path(sys.executable).parent / "torchrun"
-    out = out_dir / f"torchrun-{index}.json"
-    cmd = [
-        str(torchrun),
-        "--nnodes",
-        "1",
-        "--nproc_per_node",
-        str(cfg.scaling.num_workers),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(HERE / "torchrun_ddp.py"),
-        "--config",
-        json.dumps(cfg.model_dump(mode="json")),
-        "--out",
-        str(out),
-    ]
-    launched = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    wall_s = time.time() - launched
-    try:
-        data = json.loads(out.read_text())
-    except (OSError, json.JSONDecodeError):
-        data = None
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        if data is None:
-            raise RuntimeError(f"torchrun failed with exit status {proc.returncode}")
-        # Rank 0 wrote every epoch's timings before the failure: a crash at teardown.
-        print(f"warning: torchrun exited {proc.returncode} after writing its timings", flush=True)
-    epochs = data["epochs"]
-    return {
-        "first_epoch_s": data["first_epoch_end"] - launched,
-        "process_start_to_first_epoch_s": data["process_start_to_first_epoch_s"],
-        "startup_s": data["startup_s"],
-        "wall_s": wall_s,
-        "samples_per_s": [e["samples_per_s"] for e in epochs],
-        "epoch_ends": [e["ended_at"] for e in epochs],
-        "epoch_s": [e["epoch_s"] for e in epochs],
-        "train_samples": epochs[0]["train_samples"],
-        "last": epochs[-1],
-    }
 
 
 # --- relay ----------------------------------------------------------------------------------
@@ -220,8 +170,13 @@ def run_relay(cfg_dict: dict[str, Any], storage: Path, show_progress: bool) -> d
     history = result.history
     if len(watch.seen) < len(history):
         raise RuntimeError(f"saw {len(watch.seen)} history lines, the run has {len(history)}")
+    report = result.efficiency or {}
+    steps = report.get("step", {}).get("optimizer_steps")
+    counted = report.get("throughput", {}).get("epochs_counted")
     return {
         "ray_was_up": not cold,
+        # Optimizer steps per rank per epoch (the report's counted passes): torchrun's must match.
+        "steps_per_epoch": steps / counted if steps and counted else None,
         "first_epoch_s": watch.seen[0] - called,
         "wall_s": wall_s,
         "samples_per_s": [m["samples_per_s"] for m in history],
@@ -301,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         relay_runs: list[dict[str, Any]] = []
 
         def torchrun_once() -> None:
-            run = run_torchrun(cfg, tmp_dir, len(torchrun_runs))
+            run = run_torchrun(cfg, tmp_dir, f"torchrun-{len(torchrun_runs)}")
             torchrun_runs.append(run)
             print(
                 f"torchrun #{len(torchrun_runs)}: first epoch {run['first_epoch_s']:.2f} s, "
@@ -333,6 +288,17 @@ def main(argv: list[str] | None = None) -> None:
             if "ray" in sys.modules:
                 sys.modules["ray"].shutdown()
 
+    # Same work on both sides: as many optimizer steps per epoch (the schedule's and the
+    # passes' count), and the same training samples.
+    relay_steps = relay_runs[0]["steps_per_epoch"]
+    torchrun_steps = torchrun_runs[0]["steps_per_epoch"]
+    if relay_steps is not None and relay_steps != torchrun_steps:
+        print(f"warning: relay took {relay_steps} steps per epoch, torchrun {torchrun_steps}")
+    if torchrun_runs[0]["train_samples"] != train_samples:
+        print(
+            f"warning: torchrun trained {torchrun_runs[0]['train_samples']:.0f} samples per "
+            f"epoch, relay {train_samples:.0f}"
+        )
     tr = summarize(torchrun_runs, train_samples)
     rl = summarize(relay_runs, train_samples)
     tr_first = steady(tr["first_epoch_s"])
@@ -452,6 +418,11 @@ def main(argv: list[str] | None = None) -> None:
         "workers": workers,
         "train_samples_per_epoch": train_samples,
         "repeats": args.repeats,
+        "relay_steps_per_epoch": relay_steps,
+        "torchrun_steps_per_epoch": torchrun_steps,
+        "torchrun_threads": torchrun_runs[0]["threads"],
+        # The one config both sides ran (relay's runs add only their storage dir).
+        "config": cfg.model_dump(mode="json"),
     }
     print(json.dumps(summary))
 

@@ -201,15 +201,6 @@ class DataConfig(_Section):
     shuffle: bool = Field(True, description="Reshuffle training samples every epoch (seeded).")
 
 
-class FaultInjection(_Section):
-    """A testing aid: kill a real worker to exercise recovery. Leave unset in real runs."""
-
-    kill_rank: int | None = Field(None, ge=0, description="Rank whose process is SIGKILLed.")
-    kill_at_epoch: int | None = Field(
-        None, ge=1, description="Epoch at whose start that rank dies (once per run)."
-    )
-
-
 # Names become directory names and URL path segments: letters, digits, '_', '.', '-'.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
@@ -250,9 +241,6 @@ class RunConfig(_Section):
         None,
         description="Where runs are kept (absolute); null: $RELAY_HOME, else ~/relay. "
         "Multi-node clusters need a path every node shares (NFS).",
-    )
-    fault_injection: FaultInjection = Field(
-        default_factory=FaultInjection, description="Testing aid; leave unset."
     )
 
     @field_validator("task")
@@ -408,7 +396,11 @@ class SearchDimension(_Section):
 class AshaConfig(_Section):
     enabled: bool = Field(True, description="Stop weak trials early; false runs every trial out.")
     max_t: int | None = Field(
-        None, ge=1, description="Epochs a trial may run at most; null: the train config's epochs."
+        None,
+        ge=1,
+        description="Epochs a trial may run at most. Always `train.epochs`, the one place to set "
+        "a trial's length: leave it null (filled from `train.epochs`); a value that differs "
+        "is an error.",
     )
     grace_period: int = Field(1, ge=1, description="Epochs every trial runs before it may stop.")
     reduction_factor: float = Field(
@@ -429,6 +421,12 @@ class SweepConfig(BaseModel):
         ..., min_length=1, description="Dotted train-config field → distribution."
     )
     num_samples: int = Field(8, ge=1, description="Trials sampled (× the grid's combinations).")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        description="Seeds the search's draws: the same seed samples the same trial configs in "
+        "the same order; null: fresh draws every sweep.",
+    )
     metric: str | None = Field(None, description="Metric to optimise; null: the task's metric.")
     mode: Literal["min", "max"] | None = Field(None, description="null: the task's mode.")
     asha: AshaConfig = Field(default_factory=AshaConfig, description="ASHA early stopping.")
@@ -448,12 +446,17 @@ class SweepConfig(BaseModel):
             self.train.scaling.num_workers = self.workers_per_trial
         self.metric = self.metric or self.train.checkpoint.metric
         self.mode = self.mode or self.train.checkpoint.mode
-        if self.asha.max_t is None:
-            self.asha.max_t = self.train.epochs
-        if self.asha.grace_period > self.asha.max_t:
-            raise ValueError(f"asha.grace_period: must be <= max_t ({self.asha.max_t})")
-        # Trials train for max_t epochs; ASHA decides how many of them each one gets.
-        self.train.epochs = self.asha.max_t
+        # `train.epochs` alone sets how long a trial may train (ASHA decides how many of those
+        # epochs each trial gets): a `--set train.epochs=N` must never be silently outvoted.
+        epochs = self.train.epochs
+        if self.asha.max_t is not None and self.asha.max_t != epochs:
+            raise ValueError(
+                f"asha.max_t: {self.asha.max_t} contradicts train.epochs ({epochs}); a trial's "
+                "length is train.epochs alone: set that, and leave asha.max_t unset"
+            )
+        self.asha.max_t = epochs
+        if self.asha.grace_period > epochs:
+            raise ValueError(f"asha.grace_period: must be <= train.epochs ({epochs})")
         base = self.train.model_dump(mode="json", exclude_defaults=False)
         for key, dimension in self.search.items():
             for value in dimension.probe_values():

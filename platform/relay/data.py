@@ -17,6 +17,7 @@ import ray.train
 import torch
 from ray.data.extensions import ArrowTensorArray
 
+from relay.epochs import CachedBatches, to_tensors
 from relay.tasks.base import Batch, Columns, Split
 
 BLOCKS = 8  # enough blocks for the split to spread, few enough to stay cheap
@@ -46,9 +47,10 @@ def to_ray_datasets(split: Split) -> dict[str, ray.data.Dataset]:
 class ShardBatches:
     """This worker's batches of one dataset, epoch after epoch.
 
-    cache=True reads the shard once and keeps it as tensors on the worker's device; later epochs
-    only permute indices (the hot path never touches Ray Data again). cache=False streams the
-    shard from Ray Data every epoch, for data larger than a worker's memory.
+    cache=True reads the shard once and keeps it as tensors on the worker's device
+    (`epochs.CachedBatches`, which the torchrun baseline uses too); later epochs only permute
+    indices (the hot path never touches Ray Data again). cache=False streams the shard from Ray
+    Data every epoch, for data larger than a worker's memory.
     """
 
     def __init__(
@@ -69,39 +71,29 @@ class ShardBatches:
         self._cache = cache
         self._shuffle = shuffle
         self._seed = seed
-        self._tensors: Batch | None = None
-
-    def _convert(self, batch: dict[str, np.ndarray]) -> Batch:
-        out = {}
-        for name, array in batch.items():
-            tensor = torch.as_tensor(np.ascontiguousarray(array))
-            out[name] = tensor.to(self._device, dtype=self._dtypes.get(name, tensor.dtype))
-        return out
+        self._cached: CachedBatches | None = None
 
     def _materialize(self) -> Batch:
         parts = list(self._shard.iter_batches(batch_size=None, batch_format="numpy"))
         columns = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
-        return self._convert(columns)
+        return to_tensors(columns, self._dtypes, self._device)
 
     def load(self) -> None:
         """Read the shard into memory now (cache mode), so epoch timings measure training."""
-        if self._cache and self._tensors is None:
-            self._tensors = self._materialize()
+        if self._cache and self._cached is None:
+            self._cached = CachedBatches(
+                self._materialize(),
+                batch_size=self._batch_size,
+                shuffle=self._shuffle,
+                seed=self._seed,
+            )
 
     def epoch(self, epoch: int) -> Iterator[Batch]:
         if not self._cache:
             yield from self._stream(epoch)
             return
         self.load()
-        n = len(next(iter(self._tensors.values())))
-        if self._shuffle:
-            generator = torch.Generator().manual_seed(self._seed * 100_003 + epoch)
-            order = torch.randperm(n, generator=generator).to(self._device)
-        else:
-            order = torch.arange(n, device=self._device)
-        for start in range(0, n, self._batch_size):
-            index = order[start : start + self._batch_size]
-            yield {name: tensor[index] for name, tensor in self._tensors.items()}
+        yield from self._cached.epoch(epoch)
 
     def _stream(self, epoch: int) -> Iterator[Batch]:
         buffer = 4 * self._batch_size if self._shuffle else None
@@ -111,4 +103,4 @@ class ShardBatches:
             local_shuffle_buffer_size=buffer,
             local_shuffle_seed=self._seed * 100_003 + epoch if self._shuffle else None,
         ):
-            yield self._convert(batch)
+            yield to_tensors(batch, self._dtypes, self._device)

@@ -2,12 +2,15 @@
 wrapped and its optimizer built under each strategy, how gradients are synchronised, and how
 numbers and state from all ranks combine.
 
-The loop calls these and never branches on ranks, backends or strategies itself. Ray Train has
-already set up the process group (gloo on CPU, NCCL on GPU) by the time the loop runs; rank and
-world come from `ray.train.get_context()`, never from environment variables.
+The loop calls these and never branches on ranks, backends or strategies itself. It imports no
+Ray, so relay's Ray Train workers and a plain `torchrun` process (bench/torchrun_ddp.py) run the
+very same engine. Whoever launched the process has set up the process group (gloo on CPU, NCCL
+on GPU) — Ray Train, with world rank = process-group rank, or torchrun — and names this
+process's device once with `set_device`; rank and world come from `torch.distributed`
+(0 and 1 when there is no process group), never from environment variables.
 
 Strategies (`parallel.strategy`):
-  ddp    full replica per rank; gradients all-reduced (Ray Train's `prepare_model`, i.e. DDP)
+  ddp    full replica per rank; gradients all-reduced (DistributedDataParallel)
   zero1  DDP for gradients + `ZeroRedundancyOptimizer`: each rank keeps 1/N of optimizer state
   fsdp   FSDP2 `fully_shard` per block, then the root: parameters, gradients and optimizer
          state all sharded (ZeRO-3; `reshard_after_forward: false` ≈ ZeRO-2)
@@ -27,12 +30,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import ray.train
-import ray.train.torch
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from relay import checkpoint
@@ -41,24 +41,40 @@ from relay.config import ParallelConfig
 # --- who am I ------------------------------------------------------------------------------
 
 
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def rank() -> int:
-    return ray.train.get_context().get_world_rank()
+    return dist.get_rank() if _initialized() else 0
 
 
 def world_size() -> int:
-    return ray.train.get_context().get_world_size()
+    return dist.get_world_size() if _initialized() else 1
 
 
 def is_main() -> bool:
     return rank() == 0
 
 
+_device = torch.device("cpu")
+
+
+def set_device(target: torch.device | str) -> None:
+    """Name this process's device (the launcher knows it: Ray Train's `get_device()`, or
+    cuda:LOCAL_RANK under torchrun); until then it is the CPU."""
+    global _device
+    _device = torch.device(target)
+    if _device.type == "cuda":
+        torch.cuda.set_device(_device)  # the current device for NCCL and for new tensors
+
+
 def device() -> torch.device:
-    return ray.train.torch.get_device()
+    return _device
 
 
 def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return _initialized() and dist.get_world_size() > 1
 
 
 def set_threads(threads: int | None, reserved_cpus: float) -> None:
@@ -168,13 +184,15 @@ class Engine:
         if cfg.strategy == "fsdp":
             self.model = self._shard(model)
         else:
-            # DDP broadcasts rank 0's parameters on construction: every replica starts equal.
-            # Gradients as views into DDP's communication buckets: no copy in or out of them.
-            self.model = ray.train.torch.prepare_model(
-                model, parallel_strategy_kwargs={"gradient_as_bucket_view": True}
-            )
+            self.model = self._replicate(model)
         params = list(self.model.parameters())
-        if cfg.strategy == "zero1" and _distributed():
+        self._zero = cfg.strategy == "zero1" and _distributed()
+        if self._zero:
+            # Imported only here: torch.distributed.optim takes ~1.7 s to import on this
+            # machine (TorchScript), which every other strategy, and every driver importing
+            # this module, would pay.
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
             self.optimizer = ZeroRedundancyOptimizer(
                 params, optimizer_class=optimizer_class, **optimizer_kwargs
             )
@@ -185,6 +203,27 @@ class Engine:
         self._scaler = (
             torch.amp.GradScaler(self.device.type) if cfg.mixed_precision == "fp16" else None
         )
+
+    def _replicate(self, model: nn.Module) -> nn.Module:
+        """ddp and zero1: the model on this device, in DistributedDataParallel when there is
+        more than one rank.
+
+        This is what `ray.train.torch.prepare_model(model, parallel_strategy_kwargs=...)` did
+        (Ray 2.60, ray/train/v2/torch/train_loop_utils.py), written out so that no Ray is
+        needed and a torchrun process builds the identical wrapper: move to the device (which
+        `set_device` made current on GPU); wrap only at world size > 1 (one process trains the
+        bare module, no DDP hooks); on GPU pin DDP to this rank's device (`device_ids`,
+        `output_device`). Nothing else of prepare_model applies (its FSDP1 branch: fsdp is
+        FSDP2, in `_shard`)."""
+        model = model.to(self.device)
+        if not _distributed():
+            return model
+        # Gradients as views into DDP's communication buckets: no copy in or out of them.
+        kwargs: dict[str, Any] = {"gradient_as_bucket_view": True}
+        if self.device.type == "cuda":
+            kwargs.update(device_ids=[self.device], output_device=self.device)
+        # DDP broadcasts rank 0's parameters on construction: every replica starts equal.
+        return DistributedDataParallel(model, **kwargs)
 
     def _shard(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -316,7 +355,7 @@ class Engine:
         return checkpoint.optimizer_state_by_name(state, self._names)
 
     def _is_zero(self) -> bool:
-        return isinstance(self.optimizer, ZeroRedundancyOptimizer)
+        return self._zero
 
     # --- what it costs ---
 
