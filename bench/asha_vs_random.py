@@ -1,20 +1,29 @@
-""".venv/bin/python bench/asha_vs_random.py [--samples 6] [--epochs 6] [--task charlm]
+""".venv/bin/python bench/asha_vs_random.py [--samples 6] [--epochs 6] [--repeats 2] [--task charlm]
 
-ASHA vs no early stopping over the same trials, in one run on one embedded Ray cluster.
+ASHA vs no early stopping over the same random search, on one embedded Ray cluster.
 
-Both arms get exactly the same trial configs: the learning rates are drawn once, up front
-(log-uniform, seeded) and given to both sweeps as a grid, so the only difference is the
-scheduler. Each trial is a full relay trial — a TorchTrainer with its own worker group — so the
-per-trial start-up (worker group, process group, Ray Data shards) is paid in both arms and is
-measured and reported separately: it bounds what early stopping can save.
+The search is a real random search over several fields (for charlm: `optim.lr` log-uniform,
+`batch_size` and the model width `model.d_model` chosen), sampled by the sweep's own Tune search
+with a fixed `seed`: every sweep of either arm draws the same trial configs in the same order,
+so the only difference between the arms is the scheduler. The bench checks that the configs are
+identical across all its sweeps and stops if they are not.
 
-Default workload: charlm (a 4-block GPT, 128-wide) on a 100 kB slice of the stdlib corpus,
-1 worker per trial (so two trials run side by side on a 2-core machine), 6 epochs of ~10 s;
-about 6 minutes in all on 2 cores.
+The arms alternate over `--repeats` (full, asha, asha, full, full, asha, ...: each repeat
+reverses the order of the one before), so a machine that warms up or slows down during the
+bench favours neither arm; each sweep gets a fresh storage root. Each trial is a full relay
+trial — a TorchTrainer with its own worker group — so the per-trial start-up is paid in both
+arms; it is reported separately, because it bounds what early stopping can save.
 
-Prints wall time, epochs trained and best metric of each arm, the per-trial start-up, and ends
-with one JSON line: `wall_ratio` (ASHA / no stopping) and `best_metric_gap` (relative
-difference of the best metrics, |asha - full| / |full|).
+Default workload, shrunk so that the 4 sweeps finish in about 8 minutes on a quiet 2-core
+machine (estimated, not timed in full: an epoch takes 2.5-5.5 s in plain torch, one thread, and a
+trial's start-up 13-35 s): charlm (4-block GPT, width 64 or 128) on a 40 kB slice of the
+stdlib corpus, 1 worker per trial (two trials side by side), 6 trials of at most 6 epochs. Smoke
+run: `--samples 3 --epochs 2 --repeats 2 --size debug` (~5 minutes: start-ups dominate).
+
+Prints, per arm, the median and spread (min–max over repeats) of wall time, epochs trained and
+best metric, and ends with one JSON line: `wall_ratio` (median ASHA wall / median no-stopping
+wall) and `best_metric_gap` (|median best ASHA - median best no-stopping| / |median best
+no-stopping|), with every sweep's own figures.
 """
 
 from __future__ import annotations
@@ -28,46 +37,59 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
-
 from relay import cluster, history, registry, sweep
 from relay.config import sweep_from_dict
+
+# The searched fields besides the learning rate: batch size and the model's width.
+SEARCH = {
+    "charlm": {"batch_size": {"choice": [16, 32]}, "model.d_model": {"choice": [64, 128]}},
+    "digits": {"batch_size": {"choice": [32, 64]}, "model.hidden": {"choice": [[64], [256]]}},
+}
+ARMS = ("full", "asha")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--task", default="charlm")
+    parser.add_argument("--task", default="charlm", choices=sorted(SEARCH))
     parser.add_argument("--size", default="default")
-    parser.add_argument("--model", default='{"corpus_bytes": 100000}', help="JSON model overrides")
-    parser.add_argument("--samples", type=int, default=6, help="trials per arm")
-    parser.add_argument("--epochs", type=int, default=6, help="max_t: epochs of a full trial")
+    parser.add_argument("--model", default='{"corpus_bytes": 40000}', help="JSON model overrides")
+    parser.add_argument("--samples", type=int, default=6, help="trials per sweep")
+    parser.add_argument("--epochs", type=int, default=6, help="train.epochs: a full trial")
+    parser.add_argument("--repeats", type=int, default=2, help="sweeps per arm (>= 2)")
     parser.add_argument("--workers", type=int, default=1, help="DDP workers per trial")
-    parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--grace", type=int, default=1)
     parser.add_argument("--reduction-factor", type=float, default=3.0)
     parser.add_argument("--lr-range", default="1e-5,3e-2", help="log-uniform low,high")
-    parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    parser.add_argument("--seed", type=int, default=0, help="seeds the search's draws")
+    args = parser.parse_args()
+    if args.repeats < 2:
+        parser.error("--repeats: at least 2, so each arm runs both first and second")
+    return args
 
 
-def sweep_spec(args, storage: Path, lrs: list[float], asha: bool) -> dict:
+def arm_order(repeats: int) -> list[str]:
+    """full, asha, asha, full, full, asha, ...: each repeat reverses the one before."""
+    return [arm for r in range(repeats) for arm in (ARMS if r % 2 == 0 else ARMS[::-1])]
+
+
+def sweep_spec(args, storage: Path, asha: bool) -> dict:
+    low, high = (float(x) for x in args.lr_range.split(","))
     return {
         "name": "asha" if asha else "full",
         "train": {
             "task": args.task,
             "size": args.size,
             "model": json.loads(args.model),
-            "batch_size": args.batch_size,
             "epochs": args.epochs,
             "storage": str(storage),
             "checkpoint": {"keep": 1},
         },
-        "search": {"optim.lr": {"grid": lrs}},
-        "num_samples": 1,
+        "search": {"optim.lr": {"loguniform": [low, high]}, **SEARCH[args.task]},
+        "num_samples": args.samples,
+        "seed": args.seed,
         "workers_per_trial": args.workers,
         "asha": {
             "enabled": asha,
-            "max_t": args.epochs,
             "grace_period": args.grace,
             "reduction_factor": args.reduction_factor,
         },
@@ -86,58 +108,105 @@ def startup_seconds(storage: Path, result) -> list[float]:
     return out
 
 
-def run_arm(args, storage: Path, lrs: list[float], asha: bool) -> dict:
-    cfg = sweep_from_dict(sweep_spec(args, storage, lrs, asha))
+def trial_index(trial: dict) -> int:
+    return int(trial["trial_id"].rsplit("_", 1)[-1])  # Tune's ids end in the draw's number
+
+
+def run_sweep(args, storage: Path, arm: str) -> dict:
+    cfg = sweep_from_dict(sweep_spec(args, storage, asha=arm == "asha"))
     started = time.perf_counter()
     result = sweep.run(cfg, out=None)
     wall = time.perf_counter() - started
     startup = startup_seconds(storage, result)
+    trials = sorted(result.trials, key=trial_index)
+    print(
+        f"  {arm:<5} {wall:6.1f} s  {sum(t['epochs_run'] for t in trials):3d} epochs  "
+        f"best {cfg.metric} {result.best['best_score']:.4f}",
+        flush=True,
+    )
     return {
+        "arm": arm,
         "wall_s": wall,
         "best": result.best["best_score"],
-        "best_lr": result.best["config"]["optim.lr"],
-        "epochs_trained": sum(t["epochs_run"] for t in result.trials),
-        "trials_stopped_early": sum(t["status"] == "stopped" for t in result.trials),
-        "startup_s_median": statistics.median(startup) if startup else None,
+        "best_config": result.best["config"],
+        "epochs_trained": sum(t["epochs_run"] for t in trials),
+        "epochs_per_trial": [t["epochs_run"] for t in trials],
+        "trials_stopped_early": sum(t["status"] == "stopped" for t in trials),
+        "startup_s": statistics.median(startup),  # the median trial's
+        "configs": [t["config"] for t in trials],
         "metric": cfg.metric,
         "mode": cfg.mode,
     }
 
 
+def spread(key: str, values: list[float]) -> dict[str, float]:
+    """`<key>_median`, `<key>_min`, `<key>_max` over an arm's repeats."""
+    return {
+        f"{key}_median": statistics.median(values),
+        f"{key}_min": min(values),
+        f"{key}_max": max(values),
+    }
+
+
+def describe(config: dict) -> str:
+    return " ".join(
+        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in config.items()
+    )
+
+
 def main() -> int:
     args = parse_args()
-    low, high = (float(x) for x in args.lr_range.split(","))
-    rng = np.random.default_rng(args.seed)
-    # In the order drawn, as a random search would try them (sorted, every weak trial would
-    # run before any strong one and ASHA would have nothing to compare against).
-    lrs = [float(x) for x in np.exp(rng.uniform(np.log(low), np.log(high), args.samples))]
+    order = arm_order(args.repeats)
+    print(f"{len(order)} sweeps, in this order: {', '.join(order)}", flush=True)
     cluster.connect()
     with tempfile.TemporaryDirectory(prefix="relay-bench-asha-") as tmp:
-        full = run_arm(args, Path(tmp) / "full", lrs, asha=False)
-        asha = run_arm(args, Path(tmp) / "asha", lrs, asha=True)
+        runs = [run_sweep(args, Path(tmp) / f"{i}-{arm}", arm) for i, arm in enumerate(order)]
+
+    configs = runs[0]["configs"]
+    if any(run["configs"] != configs for run in runs):
+        print("the sweeps drew different trial configs; the comparison would be unfair")
+        for run in runs:
+            print(f"  {run['arm']}: {run['configs']}")
+        return 1
+    keys = ("wall_s", "epochs_trained", "best", "startup_s")
+    arms = {
+        arm: {
+            name: value
+            for key in keys
+            for name, value in spread(key, [run[key] for run in runs if run["arm"] == arm]).items()
+        }
+        for arm in ARMS
+    }
+    full, asha = arms["full"], arms["asha"]
 
     print(
-        f"\n{args.samples} trials of {args.task}/{args.size}, max_t {args.epochs} epochs, "
-        f"{args.workers} worker(s) per trial; learning rates {[f'{x:.2g}' for x in lrs]}"
+        f"\n{args.samples} trials of {args.task}/{args.size}, at most {args.epochs} epochs, "
+        f"{args.workers} worker(s) per trial, {args.repeats} sweeps per arm; median (min-max)"
     )
-    print(f"{'':24}{'ASHA':>12}{'no stopping':>14}")
-    for key, fmt in (
-        ("wall_s", "{:.1f} s"),
-        ("epochs_trained", "{}"),
-        ("trials_stopped_early", "{}"),
-        ("best", "{:.4f}"),
-        ("best_lr", "{:.2g}"),
-        ("startup_s_median", "{:.1f} s"),
-    ):
-        print(f"{key:<24}{fmt.format(asha[key]):>12}{fmt.format(full[key]):>14}")
+    for i, config in enumerate(configs):
+        print(f"  trial {i}: {describe(config)}")
+    print(f"{'':18}{'ASHA':>26}{'no stopping':>26}")
+    for key, fmt in zip(keys, ("{:.1f}", "{:.0f}", "{:.4f}", "{:.1f}"), strict=True):
+        cells = [
+            f"{fmt.format(s[key + '_median'])} "
+            f"({fmt.format(s[key + '_min'])}-{fmt.format(s[key + '_max'])})"
+            for s in (asha, full)
+        ]
+        print(f"{key:<18}{cells[0]:>26}{cells[1]:>26}")
+    best_asha, best_full = asha["best_median"], full["best_median"]
     figures = {
-        "wall_ratio": asha["wall_s"] / full["wall_s"],
-        "best_metric_gap": abs(asha["best"] - full["best"]) / abs(full["best"]),
-        "metric": full["metric"],
+        "wall_ratio": asha["wall_s_median"] / full["wall_s_median"],
+        "best_metric_gap": abs(best_asha - best_full) / abs(best_full),
+        "metric": runs[0]["metric"],
         "asha": asha,
         "no_stopping": full,
+        "order": order,
+        "sweeps": [{k: v for k, v in run.items() if k != "configs"} for run in runs],
+        "trial_configs": configs,
         "trials": args.samples,
-        "max_t": args.epochs,
+        "max_epochs": args.epochs,
+        "repeats": args.repeats,
+        "seed": args.seed,
         "task": args.task,
         "size": args.size,
         "model": json.loads(args.model),

@@ -16,6 +16,7 @@ from relay.config import ConfigError
 pytestmark = pytest.mark.timeout(120)
 
 DIGITS = REPO / "jobs" / "configs" / "digits.yaml"
+SWEEP = REPO / "jobs" / "configs" / "digits-sweep.yaml"
 
 
 def test_example_configs_load():
@@ -58,6 +59,25 @@ def test_storage_defaults_to_absolute_relay_home(monkeypatch, tmp_path):
     assert config.load(DIGITS).storage_path() == tmp_path / "home"
     monkeypatch.delenv("RELAY_HOME")
     assert config.load(DIGITS).storage_path().is_absolute()
+
+
+def test_train_epochs_alone_sets_the_length_of_a_sweep_trial():
+    """`--set train.epochs=N` reaches every trial and ASHA's max_t (it used to be overwritten
+    by asha.max_t); an asha.max_t that disagrees is refused, naming the field."""
+    cfg = config.load_sweep(SWEEP, ["train.epochs=3"])
+    assert (cfg.train.epochs, cfg.asha.max_t) == (3, 3)
+    trial = config.trial_config(cfg.train.model_dump(mode="json"), {"optim.lr": 0.01})
+    assert trial.epochs == 3
+    assert config.load_sweep(SWEEP).asha.max_t == config.load(DIGITS).epochs
+    assert config.load_sweep(SWEEP, ["train.epochs=4", "asha.max_t=4"]).asha.max_t == 4
+    for overrides, message in [
+        (["asha.max_t=4"], "asha.max_t: 4 contradicts train.epochs (10)"),
+        (["train.epochs=3", "asha.max_t=10"], "asha.max_t: 10 contradicts train.epochs (3)"),
+        (["train.epochs=3", "asha.grace_period=4"], "asha.grace_period: must be <= train"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            config.load_sweep(SWEEP, overrides)
+        assert str(info.value).startswith(message), str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -124,6 +144,11 @@ def test_cli_rejects_bad_configs_before_ray(tmp_path):
     cases["missing_file"] = ["train", str(tmp_path / "absent.yaml")]
     cases["bad_set"] = ["train", str(REPO / "jobs/configs/digits.yaml"), "--set", "optim.lr"]
     cases["bad_set_value"] = ["train", str(DIGITS), "--set", "scaling.use_gpu=maybe"]
+    cases["tune_max_t"] = ["tune", str(SWEEP), "--set", "asha.max_t=6"]
+    old_style = tmp_path / "old-style-sweep.yaml"  # max_t pinned in the file, epochs overridden
+    old_style.write_text(SWEEP.read_text().replace("asha: {", "asha: {max_t: 10, "))
+    old_style.with_name("digits.yaml").write_text(DIGITS.read_text())
+    cases["tune_epochs_vs_max_t"] = ["tune", str(old_style), "--set", "train.epochs=6"]
     out = subprocess.run(
         [sys.executable, "-c", CHECK_CLI, json.dumps(cases)],
         capture_output=True,
@@ -142,6 +167,8 @@ def test_cli_rejects_bad_configs_before_ray(tmp_path):
         "missing_file": "cannot read config file",
         "bad_set": "expected dotted.key=value",
         "bad_set_value": "scaling.use_gpu:",
+        "tune_max_t": "asha.max_t: 6 contradicts train.epochs (10)",
+        "tune_epochs_vs_max_t": "asha.max_t: 10 contradicts train.epochs (6)",
     }
     for name, fragment in expect_in_message.items():
         assert results[name]["code"] == 2, (name, results[name])

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import socket
+import subprocess
 import sys
+import tempfile
+import textwrap
 import threading
 from pathlib import Path
 
@@ -19,9 +24,9 @@ import pytest
 import requests
 import torch
 import yaml
-from support import REPO, free_port
+from support import REPO, free_port, subprocess_env
 
-from relay import checkpoint, cli, config, registry
+from relay import checkpoint, config, registry
 from relay.tasks import Task, TaskSize, build_task
 
 pytestmark = pytest.mark.timeout(180)
@@ -348,17 +353,77 @@ class NoSchemaTask(Task):
         raise NotImplementedError
 
 
-def test_refusals_come_before_any_ray_work(tmp_path, capsys):
+def test_a_task_without_schemas_cannot_be_served(tmp_path):
     from serve.app import AppArgs, resolve
 
-    assert cli.main(["serve", "nope:best", "--storage", str(tmp_path)]) == 2
-    assert "no model, run or checkpoint 'nope:best'" in capsys.readouterr().err
     make_version(tmp_path, "test_serve:NoSchemaTask", steps=0, model_name="plain")
     with pytest.raises(TypeError, match="cannot be served"):
         resolve(AppArgs(model="plain:best", storage=str(tmp_path)))
-    assert cli.main(["serve", "plain", "--storage", str(tmp_path)]) == 2
-    assert "needs Instance and Prediction schemas" in capsys.readouterr().err
     task = build_task("test_serve:NoSchemaTask", "debug")
     with pytest.raises(NotImplementedError, match="cannot be served"):
         task.predict(task.build_model(), [])
-    assert json.loads(json.dumps(AppArgs(model="x").model_dump()))["max_body_bytes"] == 1 << 20
+
+
+# `relay serve` refusals, run through the real CLI in a fresh interpreter: serve/app.py imports
+# Ray Serve, so Ray may be imported, but no cluster may have been started when a refusal comes.
+CHECK_SERVE_CLI = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    from relay.cli import main
+    results = {}
+    for name, argv in json.loads(sys.argv[1]).items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(argv)
+        results[name] = {"code": code, "stderr": err.getvalue()}
+    ray = sys.modules.get("ray")
+    results["ray_initialized"] = ray is not None and ray.is_initialized()
+    print(json.dumps(results))
+    """
+)
+
+
+def test_refusals_come_before_any_ray_work(tmp_path):
+    storage = tmp_path / "storage"
+    make_version(storage, "test_serve:NoSchemaTask", steps=0, model_name="plain")
+    make_version(storage, "digits", steps=0)
+    # Ray puts every session it starts under $RAY_TMPDIR/ray (short: Ray's socket paths are
+    # limited to ~107 bytes); an empty one afterwards means no cluster was ever started.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="relay-serve-", dir="/tmp"))
+    busy = socket.socket()
+    try:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        at = ["--storage", str(storage)]
+        cases = {
+            "unknown_model": ["serve", "nope:best", *at],
+            "no_schemas": ["serve", "plain", *at],
+            "bad_flag": ["serve", "digits:best", *at, "--max-batch-size", "0"],
+            "port_taken": ["serve", "digits:best", *at, "--port", str(busy.getsockname()[1])],
+        }
+        out = subprocess.run(
+            [sys.executable, "-c", CHECK_SERVE_CLI, json.dumps(cases)],
+            cwd=REPO / "tests",  # where `test_serve:NoSchemaTask` imports from
+            env=subprocess_env(RAY_TMPDIR=str(ray_tmp)),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        sessions = sorted(p.name for p in ray_tmp.rglob("session_*"))
+    finally:
+        busy.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    expect_in_message = {
+        "unknown_model": "no model, run or checkpoint 'nope:best'",
+        "no_schemas": "needs Instance and Prediction schemas",
+        "bad_flag": "--max-batch-size:",
+        "port_taken": "cannot listen on 127.0.0.1:",
+    }
+    for name, fragment in expect_in_message.items():
+        assert results[name]["code"] == 2, (name, results[name])
+        assert fragment in results[name]["stderr"], (name, results[name]["stderr"])
+        assert "Traceback" not in results[name]["stderr"], name
+    assert results["ray_initialized"] is False
+    assert sessions == [], f"a Ray session was started before the refusal: {sessions}"

@@ -18,10 +18,22 @@ from relay.config import ConfigError, SweepConfig, load_sweep, sweep_from_dict
 pytestmark = pytest.mark.timeout(480)
 
 
-def sweep_config(storage: Path | None = None, **fields) -> SweepConfig:
-    train = {"task": "digits", "size": "debug", "epochs": 4, "batch_size": 32}
-    if storage:
-        train["storage"] = str(storage)
+@pytest.fixture
+def storage(tmp_path) -> Path:
+    """A storage root per test, given through the config's `storage` field: a model another
+    test registered in the shared RELAY_HOME (a better `digits:best`) must not change the
+    outcome here, whatever order the tests run in."""
+    return tmp_path / "storage"
+
+
+def sweep_config(storage: Path, epochs: int = 4, **fields) -> SweepConfig:
+    train = {
+        "task": "digits",
+        "size": "debug",
+        "epochs": epochs,
+        "batch_size": 32,
+        "storage": str(storage),
+    }
     return SweepConfig.model_validate(
         {
             "name": "sweep-test",
@@ -37,9 +49,10 @@ def sweep_config(storage: Path | None = None, **fields) -> SweepConfig:
     )
 
 
-def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, relay_home):
-    cfg = sweep_config()
+def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
+    cfg = sweep_config(storage)
     result = sweep.run(cfg, out=None)
+    assert Path(result.sweep_dir).parent == storage / "sweeps"
 
     assert len(result.trials) == 4
     epochs = {t["config"]["optim.lr"]: t["epochs_run"] for t in result.trials}
@@ -48,13 +61,13 @@ def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, relay_home):
     stopped = [t for t in result.trials if t["status"] == "stopped"]
     assert stopped and all(t["epochs_run"] < cfg.asha.max_t for t in stopped)
     for trial in stopped:  # the registry says so too
-        assert registry.get_run(relay_home, trial["run_id"])["status"] == "stopped"
+        assert registry.get_run(storage, trial["run_id"])["status"] == "stopped"
 
     best = result.best
     assert best["config"]["optim.lr"] in (3e-3, 1e-2)
     task, _ = checkpoint.load_model(best["checkpoint"])  # the best checkpoint loads
     assert task.metric == "val_accuracy"
-    resolved = registry.resolve_model(relay_home, "digits:best")
+    resolved = registry.resolve_model(storage, "digits:best")
     assert result.model == resolved.reference
     assert str(resolved.checkpoint) == best["checkpoint"]
     assert json.loads((Path(result.sweep_dir) / "result.json").read_text())["model"] == result.model
@@ -109,7 +122,8 @@ def test_sweep_config_errors_name_the_field():
 
 def test_example_sweep_loads_its_train_config():
     cfg = load_sweep(REPO / "jobs/configs/digits-sweep.yaml")
-    assert cfg.train.task == "digits" and cfg.train.epochs == cfg.asha.max_t
+    train = yaml.safe_load((REPO / "jobs/configs/digits.yaml").read_text())
+    assert cfg.train.task == "digits" and cfg.train.epochs == train["epochs"]
     assert (cfg.metric, cfg.mode) == ("val_accuracy", "max")
 
 
@@ -121,12 +135,12 @@ def _finished_trials(storage: Path) -> dict[str, str]:
     }
 
 
-def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path):
-    storage = tmp_path / "storage"
+def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path, storage):
     spec = sweep_config(
         storage,
+        epochs=2,
         max_concurrent_trials=1,
-        asha={"enabled": False, "max_t": 2},
+        asha={"enabled": False},
         search={"optim.lr": {"grid": [3e-3, 1e-2, 3e-2]}},
     )
     path = tmp_path / "sweep.yaml"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from relay.tasks import BUILTIN, build_task, resolve_task_class
+from relay.tasks import BUILTIN, build_task, resolve_task_class, split_rows
 from relay.tasks.charlm import read_corpus
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,6 +41,45 @@ def test_split_is_seeded_and_disjoint(name):
     assert not np.array_equal(a.val[key], c.val[key])
     total = len(a.train[key]) + len(a.val[key])
     assert len(a.val[key]) == round(total * 0.2)
+
+
+def _rows(columns) -> set[bytes]:
+    return {row.tobytes() for row in columns["x"]}
+
+
+def test_digits_test_split_is_fixed_and_never_trained_or_validated_on():
+    from sklearn.datasets import load_digits
+
+    # The source itself, to check that no image is lost, duplicated or relabelled.
+    images, labels = load_digits(return_X_y=True)
+    label_of = {
+        row.astype(np.float32).tobytes(): int(y) for row, y in zip(images, labels, strict=True)
+    }
+    assert len(label_of) == len(images)  # every image distinct: rows compare by content
+    task = build_task("digits", "debug")
+    test = task.load_test()
+    assert len(test["x"]) == round(0.15 * len(images))
+    for val_fraction, seed in [(0.2, 0), (0.2, 1), (0.5, 7), (0.05, 3)]:
+        split = task.load_data(val_fraction, seed)
+        for column in ("x", "y"):  # the same images, in the same order, for every run
+            np.testing.assert_array_equal(split.test[column], test[column])
+        train, val, held = _rows(split.train), _rows(split.val), _rows(split.test)
+        assert not held & train and not held & val and not train & val
+        assert held | train | val == set(label_of)
+        assert [label_of[row.tobytes()] for row in split.test["x"]] == split.test["y"].tolist()
+    assert build_task("regression", "debug").load_test() is None  # a task may keep none
+
+
+@pytest.mark.parametrize(("val_fraction", "seed"), [(0.2, 0), (0.3, 1), (0.1, 5)])
+def test_split_rows_draws_the_test_rows_apart_from_seed_and_val_fraction(val_fraction, seed):
+    ids = {"id": np.arange(1000)}
+    split = split_rows(ids, val_fraction, seed, test_fraction=0.1)
+    fixed = split_rows(ids, 0.2, 0, test_fraction=0.1).test["id"]
+    np.testing.assert_array_equal(split.test["id"], fixed)
+    parts = [set(split.train["id"]), set(split.val["id"]), set(split.test["id"])]
+    assert sum(map(len, parts)) == 1000 and set().union(*parts) == set(range(1000))
+    assert len(parts[1]) == round(900 * val_fraction)
+    assert split_rows(ids, val_fraction, seed).test is None  # none unless asked for
 
 
 def test_digits_metric_and_pixels():

@@ -26,6 +26,7 @@ import ray.train
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler
+from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from relay import cluster, registry, trainer
 from relay.config import SearchDimension, SweepConfig, trial_config
@@ -156,7 +157,11 @@ def _tuner(cfg: SweepConfig, sweep_id: str, storage: Path, out: TextIO | None, r
             mode=cfg.mode,
             scheduler=scheduler,
             num_samples=cfg.num_samples,
-            max_concurrent_trials=max_concurrent_trials(cfg),
+            # Tune's default search (random + grid), made here to take the seed; it then
+            # bounds the concurrency itself (Tune ignores max_concurrent_trials beside it).
+            search_alg=BasicVariantGenerator(
+                max_concurrent=max_concurrent_trials(cfg), random_state=cfg.seed
+            ),
         ),
         run_config=tune.RunConfig(
             name=sweep_id,

@@ -64,30 +64,58 @@ def _instances_adapter(instance: type[BaseModel]) -> TypeAdapter:
     return TypeAdapter(list[instance])  # built once per schema: adapters are costly to build
 
 
+#: Seeds the test split's draw. A constant, not the run's seed: the test samples must be the same
+#: for every run, so that no seed or val_fraction ever trains on or selects by them.
+TEST_SPLIT_SEED = 20_240_601
+
+
 @dataclass(frozen=True)
 class Split:
-    """Train and validation samples as equal-length numpy columns (row i = sample i)."""
+    """Train, validation and (optionally) test samples as equal-length numpy columns (row i =
+    sample i).
+
+    `train` is trained on; `val` is evaluated every epoch and picks the checkpoints (and the
+    sweep's best trial), so it is no longer unseen afterwards; `test` is neither: it is for
+    measuring the finished model (jobs/demo.py). None: the task keeps no test split.
+    """
 
     train: Columns
     val: Columns
+    test: Columns | None = None
 
     def __post_init__(self) -> None:
-        for part, columns in (("train", self.train), ("val", self.val)):
+        parts = (("train", self.train), ("val", self.val), ("test", self.test or {}))
+        for part, columns in parts:
             lengths = {name: len(array) for name, array in columns.items()}
-            if len(set(lengths.values())) != 1:
+            if len(set(lengths.values())) > 1:
                 raise ValueError(f"{part} columns differ in length: {lengths}")
 
 
-def split_rows(columns: Columns, val_fraction: float, seed: int) -> Split:
-    """A seeded, deterministic random split of rows into train and validation."""
+def _take(columns: Columns, rows: np.ndarray) -> Columns:
+    return {name: array[rows] for name, array in columns.items()}
+
+
+def split_rows(
+    columns: Columns, val_fraction: float, seed: int, test_fraction: float = 0.0
+) -> Split:
+    """A deterministic random split of rows into train, validation and test.
+
+    The test rows (`test_fraction` of all, none by default) are drawn first, by a fixed seed
+    (TEST_SPLIT_SEED): the same rows whatever `seed` and `val_fraction` are. The rest is split
+    into train and validation by `seed`, `val_fraction` of it held out for validation.
+    """
     n = len(next(iter(columns.values())))
-    order = np.random.default_rng(seed).permutation(n)
-    n_val = max(1, round(n * val_fraction))
-    val_idx, train_idx = np.sort(order[:n_val]), np.sort(order[n_val:])
-    return Split(
-        train={k: v[train_idx] for k, v in columns.items()},
-        val={k: v[val_idx] for k, v in columns.items()},
-    )
+    rest = np.arange(n)
+    test = None
+    if test_fraction > 0:
+        drawn = np.random.default_rng(TEST_SPLIT_SEED).permutation(n)
+        n_test = max(1, round(n * test_fraction))
+        test = _take(columns, np.sort(drawn[:n_test]))
+        rest = np.sort(drawn[n_test:])
+    order = np.random.default_rng(seed).permutation(len(rest))
+    n_val = max(1, round(len(rest) * val_fraction))
+    val_idx, train_idx = np.sort(rest[order[:n_val]]), np.sort(rest[order[n_val:]])
+    return Split(train=_take(columns, train_idx), val=_take(columns, val_idx), test=test)
 
 
 class Task(ABC):
@@ -141,7 +169,17 @@ class Task(ABC):
 
     @abstractmethod
     def load_data(self, val_fraction: float, seed: int) -> Split:
-        """All samples, split deterministically by `seed`. Runs once, on the driver."""
+        """All samples, split deterministically by `seed`. Runs once, on the driver.
+
+        A task that keeps a test split (`Split.test`, e.g. `split_rows(..., test_fraction=)`)
+        must draw it independently of `seed` and `val_fraction`; only train and val reach the
+        workers."""
+
+    def load_test(self) -> Columns | None:
+        """The test split: samples that neither training nor checkpoint selection ever sees,
+        the same for every run of this task and size; None if the task keeps none."""
+        # Any seed and val_fraction: the test rows do not depend on them.
+        return self.load_data(val_fraction=0.2, seed=0).test
 
     @abstractmethod
     def loss_and_stats(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, Batch]:

@@ -1,4 +1,7 @@
-"""`digits`: scikit-learn's bundled 8×8 handwritten digits (1,797 real images, no download)."""
+"""`digits`: scikit-learn's bundled 8×8 handwritten digits (1,797 real images, no download).
+
+A fixed 15% (270 images) is kept as a test split (`Task.load_test`); `data.val_fraction` holds
+out that share of the other 1,527 for validation."""
 
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ from relay.tasks.base import (
 
 PIXEL_MAX = 16.0  # the data set's pixels are intensities 0..16
 SIDE = 8  # images are SIDE × SIDE
+# Share of the 1,797 images (270) kept as the test split before train/val are drawn: the same
+# images for every seed and val_fraction, never trained on and never used to pick a checkpoint.
+TEST_FRACTION = 0.15
 
 Pixel = Annotated[float, Field(ge=0, le=PIXEL_MAX)]
 
@@ -81,7 +87,7 @@ class DigitsTask(Task):
 
         digits = load_digits()
         columns = {"x": digits.data.astype(np.float32), "y": digits.target.astype(np.int64)}
-        return split_rows(columns, val_fraction, seed)
+        return split_rows(columns, val_fraction, seed, test_fraction=TEST_FRACTION)
 
     def loss_and_stats(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, Batch]:
         logits = model(batch["x"])
