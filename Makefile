@@ -29,8 +29,10 @@ format: venv
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# Every benchmark, one after another (~30 min on 2 cores; run it on a quiet machine): their
+# figures go to bench/results.jsonl with commit, date and machine, and into the README.
 bench: venv
-	$(BIN)/python bench/train_overhead.py
+	$(BIN)/python bench/run_all.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

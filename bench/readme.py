@@ -1,0 +1,236 @@
+""".venv/bin/python bench/readme.py --write | --check
+
+The README's figures, generated from bench/results.jsonl (written by `make bench`,
+bench/run_all.py). Every measured number the README shows sits between a pair of markers
+
+    <!-- figures:NAME -->
+    ...generated...
+    <!-- /figures:NAME -->
+
+and is rendered here from the results file; nothing between the markers is typed by hand.
+`--write` rewrites those blocks in place; `--check` exits 1 (printing a diff) when the README
+and the results file disagree — the test suite runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+README = HERE.parent / "README.md"
+RESULTS = HERE / "results.jsonl"
+BLOCK = re.compile(
+    r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.S
+)
+
+
+def load_results(path: Path = RESULTS) -> dict[str, dict[str, Any]]:
+    entries = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return {entry["bench"]: entry for entry in entries}
+
+
+def get(tree: Any, dotted: str) -> Any:
+    """tree["a"]["b"] for "a.b"; a missing key is an error, never a silent blank."""
+    for key in dotted.split("."):
+        if key not in tree:
+            raise KeyError(f"results: no {dotted!r} (missing {key!r})")
+        tree = tree[key]
+    return tree
+
+
+# --- formatting ---------------------------------------------------------------------------
+
+
+def ratio(value: float) -> str:
+    return f"{value:.2f}"
+
+
+def rate(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+def seconds(value: float) -> str:
+    return f"{value:.1f} s"
+
+
+def percent(value: float) -> str:
+    return f"{value:.0%}"
+
+
+def mib(value: float) -> str:
+    return f"{value / 2**20:.1f} MiB"
+
+
+def spread(values: list[float], fmt: Callable[[float], str]) -> str:
+    """median (min–max) of repeated measurements."""
+    ordered = sorted(values)
+    n = len(ordered)
+    median = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    if n == 1:
+        return fmt(median)
+    return f"{fmt(median)} ({fmt(ordered[0])}–{fmt(ordered[-1])})"
+
+
+# --- one figures cell per bench -----------------------------------------------------------
+
+
+def train_overhead(f: dict[str, Any]) -> str:
+    return (
+        f"steady samples/s relay {rate(f['relay_steady_samples_per_s'])} vs torchrun "
+        f"{rate(f['torchrun_steady_samples_per_s'])}: `throughput_ratio` "
+        f"**{ratio(f['throughput_ratio'])}**; end-to-end "
+        f"{ratio(f['end_to_end_throughput_ratio'])} (relay spends "
+        f"{f['relay_between_epochs_s']:.3f} s between epochs on report + checkpoint); time to the "
+        f"end of epoch 1: relay {seconds(f['relay_first_epoch_s'])} starting Ray, "
+        f"{seconds(f['relay_first_epoch_s_ray_up'])} with Ray up, torchrun "
+        f"{seconds(f['torchrun_first_epoch_s'])}"
+    )
+
+
+def scaling(f: dict[str, Any]) -> str:
+    return (
+        f"`speedup_2w` relay **{ratio(f['speedup_2w'])}**, torchrun "
+        f"**{ratio(f['torchrun_speedup_2w'])}** (same model and config, same run); "
+        f"`fraction_of_measured_matmul_peak` {ratio(f['fraction_of_measured_matmul_peak'])} at "
+        f"2 workers ({ratio(f['fraction_of_measured_matmul_peak_1w'])} at 1); gradient comm "
+        f"{percent(f['comm_fraction'])} of compute + comm"
+    )
+
+
+def strategies(f: dict[str, Any]) -> str:
+    return (
+        f"measured state per rank (live tensors after a step, each storage once): "
+        f"`fsdp_state_ratio` **{ratio(f['fsdp_state_ratio'])}**, zero1 "
+        f"{ratio(f['zero1_state_ratio'])} of ddp; peak RSS growth per rank fsdp/ddp "
+        f"{ratio(f['fsdp_rss_growth_ratio'])}; `bf16_speedup` **{ratio(f['bf16_speedup'])}** "
+        f"(ddp)"
+    )
+
+
+def asha_vs_random(f: dict[str, Any]) -> str:
+    return (
+        f"`wall_ratio` **{ratio(f['wall_ratio'])}** (ASHA {seconds(f['asha']['wall_s_median'])} "
+        f"vs {seconds(f['no_stopping']['wall_s_median'])}, medians of "
+        f"{f['repeats']} alternated repeats), epochs trained "
+        f"{f['asha']['epochs_trained_median']:g} vs {f['no_stopping']['epochs_trained_median']:g}, "
+        f"`best_metric_gap` {f['best_metric_gap']:.3f}"
+    )
+
+
+def serve_load(f: dict[str, Any]) -> str:
+    levels = f["levels"]
+    return (
+        f"c=32: relay {rate(get(levels, 'relay batched.32.rps'))} vs plain "
+        f"{rate(get(levels, 'plain.32.rps'))} req/s (`throughput_ratio_c32` "
+        f"**{ratio(f['throughput_ratio_c32'])}**), p99 "
+        f"{get(levels, 'relay batched.32.p99_ms'):.0f} vs {get(levels, 'plain.32.p99_ms'):.0f} ms"
+    )
+
+
+TABLE = {
+    "train_overhead": (
+        "2-worker relay `TorchTrainer` vs plain `torchrun`, the same epoch code (relay.epochs)",
+        train_overhead,
+    ),
+    "scaling": ("1 → 2 workers, relay and plain torchrun side by side", scaling),
+    "strategies": ("ddp / zero1 / fsdp × fp32 / bf16 on 2 workers", strategies),
+    "asha_vs_random": ("ASHA vs no stopping over the same random trials", asha_vs_random),
+    "serve_load": ("relay Serve vs a plain FastAPI server, same model", serve_load),
+}
+
+
+def benchmarks(results: dict[str, dict[str, Any]]) -> str:
+    entries = [results[name] for name in TABLE if name in results]
+    machines = {json.dumps(e["machine"], sort_keys=True) for e in entries}
+    lines = []
+    for m in sorted(machines):
+        m = json.loads(m)
+        lines.append(
+            f"Measured on {m['cores']} cores ({m['cpu_model']}), {m['memory_gib']} GiB; "
+            "each row names the commit and date of its run. Wall time of the benches and samples: "
+            f"{sum(e['wall_s'] for e in results.values()) / 60:.0f} min."
+        )
+    lines += ["", "| command | what | figures | run |", "|---|---|---|---|"]
+    for name, (what, cell) in TABLE.items():
+        if name not in results:
+            continue
+        e = results[name]
+        run = f"{(e['commit'] or '?')[:8]}{'+' if e['dirty'] else ''}, {e['date'][:10]}"
+        lines.append(f"| `{e['command']}` | {what} | {cell(e['figures'])} | {run} |")
+    return "\n".join(lines) + "\n"
+
+
+def sample(name: str, keep: Callable[[list[str]], list[str]]) -> Callable[[dict], str]:
+    def render(results: dict[str, dict[str, Any]]) -> str:
+        e = results[name]
+        lines = keep(e["output"].splitlines())
+        return "```\n$ " + e["command"] + "\n" + "\n".join(lines) + "\n```\n"
+
+    return render
+
+
+def _train_lines(lines: list[str]) -> list[str]:
+    """The run line, the first and last epochs, the model line."""
+    epochs = [i for i, line in enumerate(lines) if line.startswith("epoch ")]
+    model = [line for line in lines if line.startswith("model: ")]
+    head = lines[: epochs[0] + 1]
+    return [*head, "...", lines[epochs[-1]], *model]
+
+
+def _report_lines(lines: list[str]) -> list[str]:
+    start = next(i for i, line in enumerate(lines) if line.startswith("efficiency:"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("model: "))
+    return ["...", *lines[start:end]]
+
+
+BLOCKS: dict[str, Callable[[dict[str, dict[str, Any]]], str]] = {
+    "benchmarks": benchmarks,
+    "sample_train": sample("sample_train", _train_lines),
+    "sample_report": sample("sample_report", _report_lines),
+    "sample_plan": sample("sample_plan", lambda lines: lines),
+}
+
+
+def render(readme: str, results: dict[str, dict[str, Any]]) -> str:
+    def block(match: re.Match) -> str:
+        name = match["name"]
+        if name not in BLOCKS:
+            raise KeyError(f"README has a figures block {name!r} that bench/readme.py lacks")
+        return match.group(1) + BLOCKS[name](results) + match.group(4)
+
+    return BLOCK.sub(block, readme)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="regenerate the README's blocks")
+    mode.add_argument("--check", action="store_true", help="exit 1 if the README disagrees")
+    args = parser.parse_args(argv)
+    current = README.read_text()
+    wanted = render(current, load_results())
+    if args.write:
+        README.write_text(wanted)
+        return 0
+    if wanted != current:
+        sys.stdout.writelines(
+            difflib.unified_diff(
+                current.splitlines(keepends=True),
+                wanted.splitlines(keepends=True),
+                "README.md",
+                "README.md as bench/results.jsonl says",
+            )
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

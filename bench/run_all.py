@@ -1,0 +1,195 @@
+""".venv/bin/python bench/run_all.py [--only NAME ...] [--list]      (what `make bench` runs)
+
+Runs every benchmark of this folder, one after another, each in its own process (so one bench's
+Ray cluster is gone before the next starts), and records what each printed as its last line (one
+JSON object) in bench/results.jsonl: one line per bench, with the command that produced it, the
+commit and date, and the machine (cores, CPU model, memory). Then it regenerates the README's
+figures from that file (bench/readme.py), so the README quotes only measured numbers.
+
+`--only NAME` reruns some benches and keeps the other lines of the file as they are (each line
+carries its own commit and date). A bench that fails leaves its old line in place and makes the
+exit status non-zero. Run it on a quiet machine: the benches share its cores with everything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results.jsonl"
+PYTHON = sys.executable
+
+# name → argv after the interpreter. Each bench's docstring says what it measures.
+BENCHES: dict[str, list[str]] = {
+    "train_overhead": ["bench/train_overhead.py"],
+    "scaling": ["bench/scaling.py"],
+    "strategies": ["bench/strategies.py"],
+    "asha_vs_random": ["bench/asha_vs_random.py"],
+    "serve_load": ["bench/serve_load.py"],
+    # Sample outputs the README shows: real runs of the commands it documents.
+    "sample_train": ["relay", "train", "jobs/configs/digits.yaml"],
+    "sample_report": [
+        "relay",
+        "train",
+        "jobs/configs/charlm.yaml",
+        "--set",
+        "size=debug",
+        "--set",
+        "parallel.strategy=fsdp",
+        "--set",
+        "parallel.mixed_precision=bf16",
+    ],
+    "sample_plan": [
+        "relay",
+        "plan",
+        "jobs/configs/charlm.yaml",
+        "--workers",
+        "2",
+        "--device-memory",
+        "80GiB",
+    ],
+}
+# Benches whose result is their console output rather than a JSON line.
+TEXT_OUTPUT = {"sample_train", "sample_report", "sample_plan"}
+
+
+def machine() -> dict[str, object]:
+    model = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        memory_gib = round(pages / 2**30, 1)
+    except (ValueError, OSError):
+        memory_gib = None
+    return {"cores": os.cpu_count(), "cpu_model": model, "memory_gib": memory_gib}
+
+
+def commit() -> dict[str, object]:
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    try:
+        # The files this script writes do not make a benchmarked tree dirty.
+        outputs = (":!bench/results.jsonl", ":!README.md")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", *outputs))
+        return {"commit": git("rev-parse", "HEAD"), "dirty": dirty}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+
+
+def command_text(argv: list[str]) -> str:
+    if argv[0] == "relay":
+        return " ".join(argv)
+    return ".venv/bin/python " + " ".join(argv)
+
+
+def executable(argv: list[str]) -> list[str]:
+    """`relay ...` runs the venv's console script; a bench file runs under this interpreter."""
+    if argv[0] == "relay":
+        return [str(Path(PYTHON).parent / "relay"), *argv[1:]]
+    return [PYTHON, *argv]
+
+
+def run_one(name: str, argv: list[str], log: Path) -> dict[str, object]:
+    """Run one bench, echoing its output; return its results line."""
+    print(f"== {name}: {command_text(argv)}", flush=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RELAY_HOME")}
+    started = time.perf_counter()
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            executable(argv),
+            cwd=REPO,
+            env={**env, "RELAY_HOME": str(log.parent / f"{name}-home")},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        lines = []
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sink.write(line)
+            lines.append(line.rstrip("\n"))
+        proc.wait()
+    wall_s = round(time.perf_counter() - started, 1)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} exited {proc.returncode} (log: {log})")
+    entry: dict[str, object] = {
+        "bench": name,
+        "command": command_text(argv),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **commit(),
+        "machine": machine(),
+        "wall_s": wall_s,
+    }
+    if name in TEXT_OUTPUT:
+        entry["output"] = "\n".join(lines)
+    else:
+        last = next((x for x in reversed(lines) if x.startswith("{")), None)
+        if last is None:
+            raise RuntimeError(f"{name} printed no JSON line (log: {log})")
+        entry["figures"] = json.loads(last)
+    return entry
+
+
+def read_results() -> dict[str, dict]:
+    if not RESULTS.exists():
+        return {}
+    entries = (json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip())
+    return {entry["bench"]: entry for entry in entries}
+
+
+def write_results(results: dict[str, dict]) -> None:
+    ordered = [results[name] for name in BENCHES if name in results]
+    tmp = RESULTS.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(entry, sort_keys=True) + "\n" for entry in ordered))
+    tmp.replace(RESULTS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    parser.add_argument("--only", nargs="+", choices=sorted(BENCHES), help="benches to run")
+    parser.add_argument("--list", action="store_true", help="list the benches and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, bench_argv in BENCHES.items():
+            print(f"{name:16} {command_text(bench_argv)}")
+        return 0
+    names = args.only or list(BENCHES)
+    results = read_results()
+    failed = []
+    logs = Path(os.environ.get("RELAY_BENCH_LOGS", "/tmp/relay-bench-logs"))
+    logs.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        try:
+            results[name] = run_one(name, BENCHES[name], logs / f"{name}.log")
+        except RuntimeError as exc:
+            print(f"bench {name} failed: {exc}", file=sys.stderr, flush=True)
+            failed.append(name)
+            continue
+        write_results(results)  # after each bench: an interrupted run keeps what it measured
+    subprocess.run([PYTHON, str(HERE / "readme.py"), "--write"], cwd=REPO, check=True)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
