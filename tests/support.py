@@ -55,3 +55,32 @@ def stop_session(leader: subprocess.Popen, signals=GENTLY) -> None:
             leader.poll()  # reap the leader so it does not linger as a zombie
             time.sleep(0.2)
     leader.wait(timeout=30)
+
+
+# --- faults from outside: SIGKILL a Ray Train worker process ------------------------------------
+
+
+def train_worker_pids() -> list[int]:
+    """PIDs of the live Ray Train worker processes of the cluster this process is connected to
+    (Ray's State API answers for this cluster only, never another on the same machine)."""
+    from ray.util.state import list_actors
+
+    actors = list_actors(
+        filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
+        raise_on_missing_output=False,
+    )
+    return sorted(actor.pid for actor in actors if actor.pid)
+
+
+def process_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    """Whether `pid` ended (or is a zombie waiting to be reaped) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False

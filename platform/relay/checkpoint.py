@@ -13,11 +13,13 @@ weights, optimizer moments, schedule position and epoch all kept, and Serve load
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -127,6 +129,75 @@ def load_weights(directory: str | Path, module: nn.Module) -> nn.Module:
 
 def read_meta(directory: str | Path) -> dict[str, Any]:
     return json.loads((Path(directory) / META).read_text())
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint file is missing, cut short or unreadable; the message names the file."""
+
+
+def validate(directory: str | Path) -> Path:
+    """Check that a checkpoint's three files are whole, cheaply (headers and sizes, not the
+    tensors), so a damaged checkpoint is refused in the driver with one line naming the file,
+    instead of failing (and being retried) on every worker after a cluster start.
+
+    A write cut short leaves a file shorter than its own header says (safetensors), without
+    its zip central directory (torch.save, which sits at the end), or absent (meta.json is
+    written last). Returns the directory."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CorruptCheckpoint(f"{directory}: checkpoint directory not found")
+    weights, train_state, meta = directory / WEIGHTS, directory / TRAIN_STATE, directory / META
+    for path in (weights, train_state, meta):
+        if not path.is_file():
+            raise CorruptCheckpoint(f"{path}: missing from the checkpoint")
+    try:
+        with safe_open(weights, framework="pt") as f:  # reads the header; checks it covers
+            f.keys()  # the file exactly (a truncated file does not)
+    except (SafetensorError, OSError) as exc:
+        raise CorruptCheckpoint(
+            f"{weights}: unreadable safetensors file ({_one_line(exc)})"
+        ) from None
+    try:
+        size = train_state.stat().st_size
+        with zipfile.ZipFile(train_state) as archive:
+            for member in archive.infolist():
+                if member.header_offset + member.compress_size > size:
+                    raise zipfile.BadZipFile(f"{member.filename} runs past the end of the file")
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise CorruptCheckpoint(
+            f"{train_state}: unreadable torch file ({_one_line(exc)})"
+        ) from None
+    try:
+        content = json.loads(meta.read_text())
+    except (ValueError, OSError) as exc:
+        raise CorruptCheckpoint(f"{meta}: unreadable JSON ({_one_line(exc)})") from None
+    if not isinstance(content, dict) or not isinstance(content.get("config"), dict):
+        raise CorruptCheckpoint(f"{meta}: no 'config' object")
+    if not isinstance(content.get("epoch"), int):
+        raise CorruptCheckpoint(f"{meta}: no 'epoch' number")
+    return directory
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+# Ray Train's own record of a run's registered checkpoints, in the run's directory: the one it
+# names as latest is the one a resumed run starts from.
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+def latest_registered(run_dir: str | Path) -> tuple[Path, int | None] | None:
+    """(directory, epoch) of the checkpoint a resumed run would start from, per Ray Train's
+    snapshot; None when there is none (yet) or the snapshot cannot be read (Ray writes it in
+    place, so a reader can catch it half-written)."""
+    try:
+        snapshot = json.loads((Path(run_dir) / RAY_SNAPSHOT).read_text())
+        latest = snapshot["latest_checkpoint_result"]
+        name, epoch = latest["checkpoint_dir_name"], latest["metrics"].get("epoch")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return Path(run_dir) / name, epoch
 
 
 @dataclass

@@ -108,6 +108,7 @@ def _fail(message: str, code: int) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, args.overrides)
     from relay import registry
+    from relay.checkpoint import CorruptCheckpoint
     from relay.trainer import check_resumable, fit  # imports Ray: only with a good config
 
     run_id = None
@@ -120,13 +121,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
         run_id = previous["run_id"]
     try:
         result = fit(cfg, verbose=args.verbose, model_name=args.model_name, run_id=run_id)
+    except CorruptCheckpoint as exc:  # found before any cluster work; the run is unchanged
+        return _fail(f"--resume: {exc}", EXIT_USAGE)
     except Exception as exc:  # the run failed on the cluster; its record says so too
-        return _fail(f"training failed: {exc}", EXIT_FAILED)
+        return _fail(f"training failed: {_failure_summary(exc)}", EXIT_FAILED)
     if args.json:
         payload = result.to_json_dict()
         payload.pop("history")
         print(json.dumps(payload, default=str))
     return 0
+
+
+def _failure_summary(exc: BaseException) -> str:
+    """One line for a failed run: each worker's own error (Ray's message spans many lines; the
+    whole of it is kept in the run's record, `relay runs show`)."""
+    failures = getattr(exc, "worker_failures", None)  # ray.train.WorkerGroupError
+    if failures:
+        return "; ".join(f"rank {rank}: {_last_line(e)}" for rank, e in sorted(failures.items()))
+    return _last_line(getattr(exc, "controller_failure", None) or exc)
+
+
+def _last_line(exc: BaseException) -> str:
+    """An error's last line: for one that carries a traceback, the exception itself."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
@@ -198,6 +216,23 @@ def _run_summary(record: dict[str, Any]) -> str:
     )
 
 
+def _damaged_checkpoint(record: dict[str, Any]) -> str | None:
+    """Why one of the run's checkpoints (best, last, or the one a resume would load) cannot
+    be loaded; None if all can."""
+    from pathlib import Path
+
+    from relay import checkpoint
+
+    latest = checkpoint.latest_registered(record["run_dir"])
+    paths = [record.get("checkpoint"), record.get("last_checkpoint"), latest and latest[0]]
+    for path in dict.fromkeys(str(p) for p in paths if p):
+        try:
+            checkpoint.validate(Path(path))
+        except checkpoint.CorruptCheckpoint as exc:
+            return f"run {record['run_id']}: damaged checkpoint: {exc}"
+    return None
+
+
 def _cmd_runs(args: argparse.Namespace) -> int:
     from relay import history, registry
 
@@ -210,16 +245,19 @@ def _cmd_runs(args: argparse.Namespace) -> int:
         except KeyError as exc:
             return _fail(str(exc.args[0]), EXIT_USAGE)
         record = {**record, "history": history.read(record["run_dir"])}
+        damaged = _damaged_checkpoint(record)
         if args.json:
             print(json.dumps(record, default=str))
-            return 0
-        report = record.pop("efficiency", None)
-        print(yaml.safe_dump(record, sort_keys=False, default_flow_style=None), end="")
-        if report:
-            from relay.efficiency import format_report
+        else:
+            report = record.pop("efficiency", None)
+            print(yaml.safe_dump(record, sort_keys=False, default_flow_style=None), end="")
+            if report:
+                from relay.efficiency import format_report
 
-            print(format_report(report))
-        return 0
+                print(format_report(report))
+        # The record is shown either way (it says what happened); a checkpoint the run relies
+        # on that cannot be loaded is an error all the same.
+        return _fail(damaged, EXIT_FAILED) if damaged else 0
     records = registry.list_runs(storage)
     if args.json:
         print(json.dumps(records, default=str))

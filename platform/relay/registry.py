@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,14 +21,60 @@ from relay.config import NAME_PATTERN
 RECORD = "run.json"
 
 
+class StorageError(OSError):
+    """The storage path cannot hold runs (read-only, full, missing permissions)."""
+
+
 def runs_root(storage: Path) -> Path:
     return storage / "runs"
 
 
-def write(run_dir: Path, record: dict[str, Any]) -> None:
-    tmp = run_dir / f".{RECORD}.tmp"
-    tmp.write_text(json.dumps(record, indent=2, default=str))
+def _write_temp(directory: Path, stem: str, record: dict[str, Any]) -> Path:
+    """Write `record` whole to a hidden temp file of its own (unique per writer, so two
+    writers never share one), ready to be published under its final name in one step."""
+    tmp = directory / f".{stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        with open(tmp, "x") as f:
+            json.dump(record, f, indent=2, default=str)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. the disk is full: leave no fragment behind
+        raise
+    return tmp
+
+
+def write(run_dir: Path, record: dict[str, Any], *, final: bool = False) -> None:
+    """Replace the run's record. `final` (the run finished or failed) first gives back the
+    space `reserve` set aside, so the last record fits even when the disk filled up."""
+    if final:
+        (run_dir / RESERVE).unlink(missing_ok=True)
+    tmp = _write_temp(run_dir, RECORD, record)
     os.replace(tmp, run_dir / RECORD)  # atomic: a reader never sees half a record
+
+
+# Space a running run holds on the storage for its final record: a run that fails because the
+# disk is full can still be recorded as failed. Random bytes, so no file system stores it
+# sparse or compressed; removed by the final `write` (a killed driver leaves it behind).
+RESERVE = ".run.json.reserve"
+RESERVE_BYTES = 64 * 1024
+
+
+def reserve(run_dir: Path) -> None:
+    try:
+        with open(run_dir / RESERVE, "wb") as f:
+            f.write(os.urandom(RESERVE_BYTES))
+    except OSError as exc:
+        (run_dir / RESERVE).unlink(missing_ok=True)
+        raise StorageError(f"storage {run_dir} has no room for a run: {exc.strerror}") from None
+
+
+def check_writable(directory: Path) -> None:
+    """Fail now, before any cluster work, if runs cannot be recorded under `directory`."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = _write_temp(directory, "probe", {})
+        probe.unlink()
+    except OSError as exc:
+        raise StorageError(f"storage {directory} is not writable: {exc.strerror or exc}") from None
 
 
 def read(run_dir: Path) -> dict[str, Any] | None:
@@ -53,7 +100,10 @@ def get_run(storage: Path, run_id: str) -> dict[str, Any]:
     """A run by id or unique id prefix."""
     exact = runs_root(storage) / run_id / RECORD
     if exact.exists():
-        return json.loads(exact.read_text())
+        try:
+            return json.loads(exact.read_text())
+        except ValueError as exc:  # written atomically, so damaged by something else
+            raise KeyError(f"{exact}: unreadable run record ({exc})") from None
     matches = [r for r in list_runs(storage) if r["run_id"].startswith(run_id)]
     if len(matches) == 1:
         return matches[0]
@@ -64,8 +114,11 @@ def get_run(storage: Path, run_id: str) -> dict[str, Any]:
 
 
 # --- model versions ---------------------------------------------------------------------------
-# `<storage>/models/<name>/<version>.json`, one file per version, created exclusively so two
-# registrations never get the same number. The aliases `latest` and `best` are derived on read.
+# `<storage>/models/<name>/<version>.json`, one file per version. A version is written whole to
+# a temp file, then published by hard-linking it to `<version>.json`: the link fails if that
+# name exists (another registration won the number: try the next), and a reader sees either
+# no file or the whole record, never a half-written one. The aliases `latest` and `best` are
+# derived on read.
 
 MODEL_NAME = re.compile(NAME_PATTERN)
 
@@ -94,12 +147,14 @@ def register_version(storage: Path, name: str, entry: dict[str, Any]) -> dict[st
             "version": version,
             "registered_at": datetime.now(UTC).isoformat(),
         }
+        tmp = _write_temp(directory, "version", record)
         try:
-            with open(directory / f"{version}.json", "x") as f:
-                json.dump(record, f, indent=2, default=str)
+            os.link(tmp, directory / f"{version}.json")
             return record
         except FileExistsError:
             continue
+        finally:
+            tmp.unlink()
 
 
 def list_versions(storage: Path, name: str | None = None) -> list[dict[str, Any]]:
@@ -129,7 +184,16 @@ class ResolvedModel:
 
 
 def resolve_model(storage: Path, ref: str) -> ResolvedModel:
-    """`name:best`, `name:latest`, `name:N`, `name` (= best), a run id, or a checkpoint dir."""
+    """`name:best`, `name:latest`, `name:N`, `name` (= best), a run id, or a checkpoint dir;
+    its checkpoint's files checked whole (`checkpoint.CorruptCheckpoint` names a bad one)."""
+    found = _resolve_model(storage, ref)
+    from relay import checkpoint
+
+    checkpoint.validate(found.checkpoint)
+    return found
+
+
+def _resolve_model(storage: Path, ref: str) -> ResolvedModel:
     from relay.checkpoint import WEIGHTS
 
     as_path = Path(ref).expanduser()

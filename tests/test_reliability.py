@@ -1,0 +1,570 @@
+"""Reliability tier: faults injected from outside the training code, at moments it does not
+choose, as they happen in real clusters — worker processes SIGKILLed mid-step and mid-checkpoint,
+damaged checkpoint files, two runs racing on one storage root, a storage that fills up.
+
+Each test prints a tally line (`reliability: ...`); `pytest -s tests/test_reliability.py`
+shows them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from support import (
+    BIN,
+    REPO,
+    free_port,
+    process_gone,
+    stop_session,
+    subprocess_env,
+    train_worker_pids,
+)
+
+import relay
+from relay import checkpoint, history, registry
+from relay.config import from_dict
+from relay.tasks import build_task
+
+pytestmark = pytest.mark.slow
+
+
+# --- SIGKILL random workers at random times -------------------------------------------------------
+
+KILL_EPOCHS = 10
+
+
+def kill_config(storage: Path):
+    """digits with a wider MLP and small batches: an epoch takes ~0.5-1 s on this machine, so
+    a random moment falls mid-step or mid-checkpoint (13 MB of weights and AdamW moments each
+    epoch), not only between epochs. No dropout: its random masks are not part of a checkpoint,
+    so a resumed run would draw other ones and could not be compared number for number."""
+    return from_dict(
+        {
+            "name": "kill",
+            "task": "digits",
+            "size": "default",
+            "model": {"hidden": [1024, 1024], "dropout": 0.0},
+            "epochs": KILL_EPOCHS,
+            "batch_size": 16,
+            "optim": {"lr": 0.001},
+            "schedule": {"name": "cosine"},  # the lr depends on the step: a wrong resume shows
+            "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
+            "checkpoint": {"every": 1, "keep": 2},
+            "failure": {"max_failures": 10},
+            "storage": str(storage),
+        }
+    )
+
+
+@dataclass
+class Kill:
+    pid: int
+    delay_s: float  # after the new history line that allowed it
+    lines: int  # history lines written when it struck
+    epoch: int  # the highest epoch in history then
+    registered: int | None  # the epoch of the latest checkpoint Ray Train had registered then
+    phase: str  # what the run was doing, seen from outside (see `_phase`)
+    at: float = 0.0  # time.time() of the kill
+    landed: bool = False  # the process is gone
+
+
+def _history_lines(storage: Path) -> tuple[Path | None, list[dict]]:
+    dirs = list((storage / "runs").glob("*/history.jsonl"))
+    return (dirs[0].parent, history.read_raw(dirs[0].parent)) if dirs else (None, [])
+
+
+def _checkpoint_in_flight(since: float) -> bool:
+    """Whether rank 0 is writing a checkpoint: after appending an epoch to history it writes
+    the checkpoint to a temp dir that lives until Ray Train has copied it to storage. Older
+    dirs are orphans of workers killed mid-write."""
+    pattern = os.path.join(tempfile.gettempdir(), "relay-ckpt-*")
+    return any(_ctime(path) >= since - 0.01 for path in glob.glob(pattern))
+
+
+def _phase(lines: list[dict], registered: int | None) -> str:
+    """Where the run was when a kill struck, from what it leaves on disk: rank 0 appends an
+    epoch to history, writes its checkpoint (`_checkpoint_in_flight`), reports it, and then
+    the controller registers it; then the next epoch trains."""
+    last = lines[-1]
+    if _checkpoint_in_flight(last["time"]):
+        return "checkpoint-write"
+    if registered is None or registered < last["epoch"]:
+        return "checkpoint-unregistered"
+    return "training-step"
+
+
+def _ctime(path: str) -> float:
+    try:
+        return os.stat(path).st_ctime
+    except OSError:
+        return 0.0
+
+
+class WorkerKiller(threading.Thread):
+    """SIGKILLs a random live RayTrainWorker process `count` times. Each kill waits for new
+    progress (a history line for an epoch past the previous kill's), then for a moment drawn
+    at random: a third of the time as soon as (+0-20 ms) the checkpoint after that line is being
+    written, a third within 0.15 s of the line (checkpoint write, report, registration), a
+    third anywhere in the next 1.2 epochs."""
+
+    def __init__(self, storage: Path, count: int, epoch_s: float, rng: random.Random) -> None:
+        super().__init__(daemon=True)
+        self.storage, self.count, self.epoch_s, self.rng = storage, count, epoch_s, rng
+        self.kills: list[Kill] = []
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # surfaced by the test
+            self.error = exc
+
+    def _run(self) -> None:
+        past_epoch = 0
+        while len(self.kills) < self.count and not self.stop.is_set():
+            run_dir, lines = _history_lines(self.storage)
+            if not lines or max(e["epoch"] for e in lines) <= past_epoch:
+                time.sleep(0.02)
+                continue
+            mode, since = self.rng.randrange(3), time.time()
+            if mode == 0:
+                deadline = time.monotonic() + 2 * self.epoch_s
+                while not _checkpoint_in_flight(lines[-1]["time"]):
+                    if time.monotonic() > deadline or self.stop.wait(0.002):
+                        break
+                delay = self.rng.uniform(0.0, 0.02)
+            else:
+                delay = self.rng.uniform(0.0, 0.15 if mode == 1 else 1.2 * self.epoch_s)
+            if self.stop.wait(delay):
+                return
+            delay = time.time() - since
+            pids = train_worker_pids()
+            if not pids:
+                continue
+            pid = self.rng.choice(pids)
+            _, lines = _history_lines(self.storage)
+            latest = checkpoint.latest_registered(run_dir)
+            registered = latest[1] if latest else None
+            epoch = max(e["epoch"] for e in lines)
+            if epoch >= KILL_EPOCHS:
+                return  # the run is finishing: leave the last kills undone (the test says so)
+            kill = Kill(pid, round(delay, 3), len(lines), epoch, registered, "")
+            kill.phase = _phase(lines, registered)
+            try:
+                kill.at = time.time()
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue  # ended on its own (the run finishing): not a kill
+            kill.landed = process_gone(pid)
+            self.kills.append(kill)
+            past_epoch = epoch
+
+
+def _restarts(raw: list[dict], kills: list[Kill]) -> list[dict]:
+    """For each kill: where the restarted group took up again and how many epochs it trained a
+    second time. A restart shows in history as an epoch that does not follow the one before;
+    a group resumed from the very checkpoint it had just written continues seamlessly (0)."""
+    out = []
+    for i, kill in enumerate(kills):
+        end = kills[i + 1].lines if i + 1 < len(kills) else len(raw)
+        resumed_at, retrained = None, 0
+        for j in range(max(kill.lines, 1), end):
+            if raw[j]["epoch"] != raw[j - 1]["epoch"] + 1:
+                resumed_at, retrained = raw[j]["epoch"], raw[j - 1]["epoch"] - raw[j]["epoch"] + 1
+                break
+        recovered = next((e["time"] for e in raw[kill.lines : end] if e["time"] > kill.at), None)
+        out.append(
+            {
+                "resumed_at": resumed_at,
+                "retrained": retrained,
+                "recovery_s": round(recovered - kill.at, 1) if recovered else None,
+            }
+        )
+    return out
+
+
+FINAL_METRICS = ("train_loss", "val_loss", "val_accuracy", "train_accuracy")
+
+
+@pytest.mark.timeout(420)
+def test_sigkilled_workers_at_random_moments(ray_cluster, tmp_path):
+    """3 runs x 3-4 SIGKILLs of a random worker (rank 0 or 1) at a random moment.
+
+    Tolerance of the final metrics against an uninterrupted run: rel 1e-5 (losses, lr) and
+    exact accuracies. A resumed run is the same computation: weights and AdamW moments come
+    back bit for bit (safetensors, torch.save), the lr is recomputed from the epoch, the shuffle
+    is seeded per epoch and the data split is the same; what may differ is the order of float
+    additions (gloo's all-reduce), a few ulps. A resume that lost optimizer state or an epoch,
+    or repeated one, moves the losses by far more (percent)."""
+    baseline = relay.train(kill_config(tmp_path / "baseline"), out=None)
+    epoch_s = sorted(e["epoch_s"] for e in baseline.history)[len(baseline.history) // 2]
+
+    rng = random.Random(20240608)
+    started = time.time()
+    tallies = []
+    for number, count in enumerate((3, 3, 4)):
+        storage = tmp_path / f"killed-{number}"
+        killer = WorkerKiller(storage, count, epoch_s, rng)
+        killer.start()
+        try:
+            result = relay.train(kill_config(storage), out=None)
+        finally:
+            killer.stop.set()
+            killer.join(timeout=30)
+        assert killer.error is None, killer.error
+        raw = history.read_raw(result.run_dir)
+        restarts = _restarts(raw, killer.kills)
+        tallies.append((result, killer.kills, restarts, raw))
+
+        # Every epoch trained, none more than twice, and the run ended with all replicas equal.
+        assert [e["epoch"] for e in result.history] == list(range(1, KILL_EPOCHS + 1))
+        counts = Counter(e["epoch"] for e in raw)
+        assert max(counts.values()) <= 2, counts
+        assert result.replicas_in_sync is True
+        for kill in killer.kills:
+            assert kill.landed, kill
+            # At most the work since the last registered checkpoint is redone: no epoch up to
+            # that checkpoint's is trained again after the kill.
+            later = [e["epoch"] for e in raw[kill.lines :]]
+            assert not later or min(later) > (kill.registered or 0), (kill, later)
+        # The same final numbers as the uninterrupted run.
+        ours, theirs = result.history[-1], baseline.history[-1]
+        for name in ("train_loss", "val_loss"):
+            assert ours[name] == pytest.approx(theirs[name], rel=1e-5), (name, number)
+        for name in ("train_accuracy", "val_accuracy"):
+            assert ours[name] == theirs[name], (name, number)
+        assert ours["lr"] == pytest.approx(theirs["lr"], rel=1e-9)
+
+    # A worker killed mid-write leaves its temp checkpoint dir behind (SIGKILL runs no
+    # cleanup): remove those our kills orphaned — every run of ours has ended by now.
+    pattern = os.path.join(tempfile.gettempdir(), "relay-ckpt-*")
+    for path in glob.glob(pattern):
+        if _ctime(path) >= started:
+            shutil.rmtree(path, ignore_errors=True)
+    kills = [k for _, ks, _, _ in tallies for k in ks]
+    retrained = [r["retrained"] for _, _, rs, _ in tallies for r in rs]
+    phases = Counter(k.phase for k in kills)
+    recovery = [r["recovery_s"] for _, _, rs, _ in tallies for r in rs]
+    print(
+        f"\nreliability: worker SIGKILLs survived {sum(k.landed for k in kills)}/{len(kills)} "
+        f"over {len(tallies)} runs of {KILL_EPOCHS} epochs (epoch ~{epoch_s:.2f} s); "
+        f"epochs re-trained per kill {retrained} (max {max(retrained)}); "
+        f"where they struck {dict(phases)}; kill to next epoch done (s) {recovery}; "
+        f"killed runs took {time.time() - started:.0f} s"
+    )
+    for number, (_, ks, rs, raw) in enumerate(tallies):
+        print(
+            f"reliability: run {number}: history epochs {[e['epoch'] for e in raw]}; kills "
+            + "; ".join(
+                f"pid {k.pid} at epoch {k.epoch} (+{k.delay_s}s, {k.phase}, registered "
+                f"{k.registered}) -> resumed at "
+                f"{r['resumed_at'] or 'the next epoch, seamless'}"
+                for k, r in zip(ks, rs, strict=True)
+            )
+        )
+    assert len(kills) == 10
+
+
+# --- damaged checkpoints given to the CLI ---------------------------------------------------------
+
+
+def small_config(storage: Path, **fields) -> dict:
+    return {
+        "name": "small",
+        "task": "regression",
+        "size": "debug",
+        "epochs": 2,
+        "batch_size": 32,
+        "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 1}},
+        "checkpoint": {"every": 1, "keep": None},
+        "storage": str(storage),
+        **fields,
+    }
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+CORRUPTIONS = {
+    "truncated model.safetensors": (checkpoint.WEIGHTS, _truncate),
+    "truncated train_state.pt": (checkpoint.TRAIN_STATE, _truncate),
+    "missing meta.json": (checkpoint.META, Path.unlink),
+}
+
+
+def _relay(*args: str, storage: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(BIN / "relay"), *args],
+        cwd=REPO,
+        env=subprocess_env(RELAY_HOME=str(storage)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            stop_session(proc)
+    return proc.returncode, out, err
+
+
+@pytest.mark.timeout(240)
+def test_damaged_checkpoints_fail_in_one_line(ray_cluster, tmp_path):
+    """Each damage x `relay serve`, `relay train --resume`, `relay runs show`: exit non-zero,
+    one stderr line naming the damaged file, no traceback, well within the timeout (the
+    checks run before any cluster work; a hang would hit the timeout)."""
+    storage = tmp_path / "storage"
+    run = relay.train(from_dict(small_config(storage)), out=None)
+    config_file = tmp_path / "small.yaml"
+    config_file.write_text(yaml.safe_dump(small_config(storage)))
+    record_before = registry.read(Path(run.run_dir))
+    checkpoints = {
+        run.checkpoint,
+        run.last_checkpoint,
+        str(checkpoint.latest_registered(run.run_dir)[0]),
+    }
+    commands = {
+        "serve": ["serve", run.run_id, "--port", str(free_port())],
+        "train --resume": ["train", str(config_file), "--resume", run.run_id],
+        "runs show": ["runs", "show", run.run_id],
+    }
+    handled = []
+    for case, (name, damage) in CORRUPTIONS.items():
+        saved = {d: (Path(d) / name).read_bytes() for d in checkpoints}
+        for directory in checkpoints:
+            damage(Path(directory) / name)
+        try:
+            procs = {what: _relay(*args, storage=storage) for what, args in commands.items()}
+            for what, proc in procs.items():
+                code, _, err = _finish(proc, timeout=60)
+                lines = err.strip().splitlines()
+                assert code != 0, (case, what, err)
+                assert "Traceback" not in err, (case, what, err)
+                assert len(lines) == 1 and name in lines[0], (case, what, err)
+                handled.append((case, what, code, lines[0]))
+        finally:
+            for directory, content in saved.items():
+                (Path(directory) / name).write_bytes(content)
+        # A refused resume leaves the run as it was.
+        assert registry.read(Path(run.run_dir)) == record_before
+
+    # Repaired, the same commands find nothing wrong: the checks tell damage from health.
+    code, out, err = _finish(_relay("runs", "show", run.run_id, storage=storage), timeout=60)
+    assert code == 0 and run.run_id in out, err
+    print(f"\nreliability: damaged-checkpoint cases handled {len(handled)}/{3 * len(CORRUPTIONS)}")
+    for case, what, code, line in handled:
+        print(f"reliability:   {case:<30} relay {what:<15} exit {code}: {line[:150]}")
+
+
+# --- two runs at once on one storage root ---------------------------------------------------------
+
+
+class RecordReader(threading.Thread):
+    """Reads every run record and model version under `storage` over and over, counting the
+    reads and any that is not a whole JSON object (a half-written file)."""
+
+    def __init__(self, storage: Path) -> None:
+        super().__init__(daemon=True)
+        self.storage, self.stop = storage, threading.Event()
+        self.reads, self.partial = 0, []
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for path in [
+                *self.storage.glob("runs/*/run.json"),
+                *self.storage.glob("models/*/*.json"),
+            ]:
+                try:
+                    text = path.read_text()
+                except FileNotFoundError:
+                    continue
+                self.reads += 1
+                try:
+                    assert isinstance(json.loads(text), dict)
+                except (ValueError, AssertionError):
+                    self.partial.append((str(path), text[:80]))
+            time.sleep(0.002)  # leave the CPUs to the writers
+
+
+@pytest.mark.timeout(300)
+def test_two_runs_started_together_on_one_storage_root(tmp_path):
+    storage = tmp_path / "storage"
+    config_file = tmp_path / "small.yaml"
+    config_file.write_text(yaml.safe_dump(small_config(storage, epochs=3)))
+    reader = RecordReader(storage)
+    reader.start()
+    procs = [_relay("train", str(config_file), "--json", storage=storage) for _ in range(2)]
+    try:
+        finished = [_finish(proc, timeout=240) for proc in procs]
+    finally:
+        reader.stop.set()
+        reader.join(timeout=10)
+    for code, out, err in finished:
+        assert code == 0, out[-2000:] + err[-2000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in finished]
+    assert len({r["run_id"] for r in results}) == 2
+    assert sorted(r["model"] for r in results) == ["regression:1", "regression:2"]
+    versions = registry.list_versions(storage, "regression")
+    assert {(v["version"], v["run_id"]) for v in versions} == {
+        (int(r["model"].split(":")[1]), r["run_id"]) for r in results
+    }
+    code, listed, err = _finish(_relay("runs", storage=storage), timeout=60)
+    assert code == 0, err
+    for r in results:
+        assert any(r["run_id"] in line and "finished" in line for line in listed.splitlines())
+    assert reader.partial == [] and reader.reads > 0
+    print(
+        f"\nreliability: 2 simultaneous runs on one storage: both finished, versions "
+        f"{sorted(r['model'] for r in results)}; {reader.reads} record reads meanwhile, "
+        f"{len(reader.partial)} partial"
+    )
+
+
+_HAMMER = """
+import sys
+from pathlib import Path
+from relay import registry
+storage, writer = Path(sys.argv[1]), int(sys.argv[2])
+run_dir = registry.runs_root(storage) / f"run-{writer}"
+run_dir.mkdir(parents=True, exist_ok=True)
+for seq in range(int(sys.argv[3])):
+    registry.register_version(storage, "hammer", {"run_id": f"w{writer}-{seq}", "pad": "x" * 50000})
+    registry.write(run_dir, {"run_id": f"run-{writer}", "seq": seq, "pad": "y" * 50000})
+"""
+
+
+@pytest.mark.timeout(120)
+def test_registry_under_concurrent_writers_and_readers(tmp_path):
+    """4 processes register 25 versions each of one model and rewrite their run records while
+    this process reads every file: 100 distinct versions 1..100, each record whole, and no
+    read ever sees part of a file (records of 50 kB take several writes to fill)."""
+    writers, each = 4, 25
+    reader = RecordReader(tmp_path)
+    reader.start()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _HAMMER, str(tmp_path), str(w), str(each)],
+            env=subprocess_env(),
+        )
+        for w in range(writers)
+    ]
+    try:
+        codes = [proc.wait(timeout=90) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        reader.stop.set()
+        reader.join(timeout=10)
+    assert codes == [0] * writers
+    versions = registry.list_versions(tmp_path, "hammer")
+    assert [v["version"] for v in versions] == list(range(1, writers * each + 1))
+    assert sorted(v["run_id"] for v in versions) == sorted(
+        f"w{w}-{s}" for w in range(writers) for s in range(each)
+    )
+    assert [r["seq"] for r in registry.list_runs(tmp_path)] == [each - 1] * writers
+    assert reader.partial == [], reader.partial[:3]
+    assert not list(tmp_path.rglob("*.tmp")), "temp files left behind"
+    print(
+        f"\nreliability: registry hammer: {writers} writers x {each} versions, "
+        f"{reader.reads} concurrent reads, {len(reader.partial)} partial"
+    )
+
+
+# --- storage full, storage read-only -------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_file_system(path: Path, size_bytes: int):
+    """A tmpfs of `size_bytes` at `path` (needs root, as in CI's container); skips otherwise."""
+    path.mkdir(parents=True, exist_ok=True)
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes // 1024}k", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mount.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=False)
+
+
+def _checkpoint_bytes(cfg) -> int:
+    """Bytes one checkpoint of `cfg` takes: fp32 weights and two AdamW moments, plus room for
+    headers, meta.json and the file system's pages."""
+    model = build_task(cfg.task, cfg.size, cfg.model).build_model()
+    return 3 * 4 * sum(p.numel() for p in model.parameters()) + 64 * 1024
+
+
+@pytest.mark.timeout(240)
+def test_storage_fills_up_mid_run_then_turns_read_only(tmp_path):
+    """A storage root with room for about 3 checkpoints, all kept: the run fails cleanly when
+    the 4th does not fit — a short error, the run recorded as failed (its record's reserved
+    space makes room for that), the checkpoints written before still whole and loadable. The
+    same storage read-only: refused before any cluster work."""
+    mount = tmp_path / "small-disk"
+    fields = {
+        "task": "digits",
+        "size": "default",
+        "model": {"hidden": [256, 256], "dropout": 0.0},
+        "epochs": 10,
+        "failure": {"max_failures": 0},
+    }
+    each = _checkpoint_bytes(from_dict(small_config(mount, **fields)))
+    config_file = tmp_path / "full.yaml"
+    config_file.write_text(yaml.safe_dump(small_config(mount / "relay", **fields)))
+    with small_file_system(mount, 3 * each + each // 2 + registry.RESERVE_BYTES):
+        code, out, err = _finish(_relay("train", str(config_file), storage=mount), timeout=200)
+        assert code == 1, out[-2000:] + err[-2000:]
+        assert "No space left on device" in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
+        (run_dir,) = (mount / "relay" / "runs").iterdir()
+        record = registry.read(run_dir)
+        assert record["status"] == "failed", record
+        assert "No space left on device" in record["error"]
+        # The checkpoints Ray Train registered before the disk filled are whole and load.
+        snapshot = json.loads((run_dir / checkpoint.RAY_SNAPSHOT).read_text())
+        registered = [r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]]
+        assert len(registered) >= 2, registered
+        task = build_task("digits", "default", fields["model"])
+        for name in registered:
+            checkpoint.validate(run_dir / name)
+            checkpoint.load_weights(run_dir / name, task.build_model())
+            assert checkpoint.load_train_state(run_dir / name).optimizer["state"]
+        epochs_done = [e["epoch"] for e in history.read(run_dir)]
+
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        code, _, ro_err = _finish(_relay("train", str(config_file), storage=mount), timeout=60)
+        assert code == 1 and "not writable" in ro_err and "Read-only" in ro_err, ro_err
+        assert len(ro_err.strip().splitlines()) == 1, ro_err
+    print(
+        f"\nreliability: storage full after epoch {max(epochs_done)} (checkpoints "
+        f"{registered} intact), recorded as failed; stderr: {err.strip()[:300]}"
+        f"\nreliability: read-only storage refused: {ro_err.strip()}"
+    )
