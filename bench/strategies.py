@@ -17,14 +17,17 @@ gradients and two AdamW moments: ~52 MB per full replica) is large enough to sho
 its full 2 MB corpus would take minutes per epoch. About 4-5 minutes in all.
 
 Per run:
-  state/rank   rank 0's parameter + gradient + optimizer bytes (local shards: torch tensors
-               and FSDP DTensors' local parts), as the report measures them after training
-               (gradients of the last step still allocated). ddp holds everything; zero1
-               shards the optimizer state (1/2 of it per rank); fsdp shards all three.
+  state/rank   the bytes that parameters, gradients and optimizer state really occupy on each
+               rank after the last training step, as the report measures them (relay.footprint:
+               every live tensor followed to its storage, each storage counted once: FSDP's
+               padded shards, DDP's gradient buckets, ZeRO's partition). ddp holds everything;
+               zero1 shards the optimizer state (by whole parameters); fsdp shards all three.
   peak RSS     the rank's process peak resident memory (the report's `peak_memory_bytes` on
                CPU): it includes the Ray worker process itself (torch, Ray, Ray Data: ~0.5 GB
                with a tiny model), activations, and on rank 0 the full state gathered for the
-               final checkpoint, so it hides most of what sharding saves; state/rank shows it.
+               final checkpoint.
+  RSS growth   peak RSS minus the RSS the worker had when its training loop started (the
+               report's `peak_growth_bytes`): what training added, per rank.
   samples/s    steady training throughput: the median of per-epoch samples/s (global training
                samples / seconds of that epoch's training pass) over epochs 2..N, from the run's
                history; epoch 1 (warm-up) is left out. tokens/s = samples/s x block_size (each
@@ -37,12 +40,21 @@ Per run:
                LayerNorms included, to bf16; autocast keeps those ops in fp32).
   comm         the report's gradient-communication share of compute + comm (the same
                micro-step timed with and without gradient sync).
-  MFU          the report's model FLOPs utilisation, against the workers' measured matmul
-               peak in the run's compute dtype (fp32 runs: fp32 peak; bf16 runs: bf16 peak).
+  matmul frac  the report's `fraction_of_measured_matmul_peak`: model FLOP/s over the dense
+               matmul rate the workers measured at once in the run's compute dtype (fp32 runs:
+               fp32; bf16 runs: bf16). Not MFU against a vendor's peak.
 
-The last stdout line is one JSON object: fsdp_state_ratio = fsdp / ddp rank-0 state bytes in
-fp32 (ideal 0.5 on 2 ranks; target <= 0.55), zero1_state_ratio likewise, bf16_speedup = bf16 /
-fp32 steady samples/s under ddp, bf16_speedup_by_strategy, and the raw table. bf16 pays off on a
+The last stdout line is one JSON object, the ratios taken in fp32 and per rank:
+  fsdp_state_ratio_per_rank       fsdp / ddp measured state bytes, rank by rank
+  fsdp_state_ratio                the fullest rank's: max over ranks, fsdp / ddp (ideal 0.5 on
+                                  2 ranks, plus padding; target <= 0.55)
+  fsdp_rss_growth_ratio_per_rank  fsdp / ddp peak RSS growth, rank by rank
+  fsdp_rss_growth_ratio           max over ranks, fsdp / ddp (growth includes activations,
+                                  Ray Data and the checkpoint gather: far from 0.5 for a small
+                                  model)
+  zero1_*                         the same for zero1
+and bf16_speedup = bf16 / fp32 steady samples/s under ddp, bf16_speedup_by_strategy, and the
+raw table. bf16 pays off on a
 CPU only with native bf16 matmuls (AVX512-BF16 / AMX); it is slower where they are missing.
 The bench sets RELAY_HOME and the runs' storage to a temporary dir (deleted at the end), starts
 its own local Ray cluster (RAY_ADDRESS=local) and shuts Ray down at the end. Figures are noisy
@@ -138,7 +150,7 @@ def train(cfg_dict: dict[str, Any], block_size: int, show_progress: bool) -> dic
     result, wall_s, others_cores = fit_watched(cfg_dict, show_progress)
     report = result.efficiency
     ranks = report["memory"]["per_rank"]
-    state = [r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in ranks]
+    state = [r["state_bytes"] for r in ranks]
     per_epoch = [m["samples_per_s"] for m in result.history]
     steady = statistics.median(per_epoch[1:])
     return {
@@ -151,6 +163,7 @@ def train(cfg_dict: dict[str, Any], block_size: int, show_progress: bool) -> dic
         "grad_bytes_rank0": ranks[0]["grad_bytes"],
         "optimizer_bytes_rank0": ranks[0]["optimizer_bytes"],
         "peak_memory_bytes_per_rank": [r["peak_memory_bytes"] for r in ranks],
+        "peak_growth_bytes_per_rank": [r["peak_growth_bytes"] for r in ranks],
         "samples_per_s": steady,
         "tokens_per_s": steady * block_size,
         "epoch_samples_per_s": per_epoch,
@@ -158,7 +171,8 @@ def train(cfg_dict: dict[str, Any], block_size: int, show_progress: bool) -> dic
         "report_tokens_per_s": report["throughput"]["units_per_s"],
         "comm_fraction": report["step"]["comm_fraction"],
         "step": {k: report["step"][k] for k in ("step_s", "compute_s", "comm_s", "other_s")},
-        "mfu": report["flops"]["mfu"],
+        "fraction_of_measured_matmul_peak": report["flops"]["fraction_of_measured_matmul_peak"],
+        "matmul_peak": report["flops"]["matmul_peak"],
         "val_loss": result.history[-1]["val_loss"],
         "replicas_in_sync": result.replicas_in_sync,
         "wall_s": wall_s,
@@ -172,9 +186,11 @@ def label(run: dict[str, Any]) -> str:
 
 def describe(run: dict[str, Any]) -> str:
     peak = max(run["peak_memory_bytes_per_rank"])
+    growth = max(run["peak_growth_bytes_per_rank"])
     return (
-        f"{label(run)}: state/rank {run['state_bytes_rank0'] / MiB:.1f} MiB, peak RSS "
-        f"{peak / MiB:,.0f} MiB, {run['samples_per_s']:,.1f} samples/s "
+        f"{label(run)}: state/rank {max(run['state_bytes_per_rank']) / MiB:.2f} MiB, peak RSS "
+        f"{peak / MiB:,.0f} MiB (+{growth / MiB:,.0f} MiB), {run['samples_per_s']:,.1f} "
+        f"samples/s "
         f"({run['tokens_per_s']:,.0f} tokens/s), val loss {run['val_loss']:.4f}, "
         f"wall {run['wall_s']:.1f} s, "
         f"others' CPU {busy_text(run['foreign_cpu_cores'])}"
@@ -184,32 +200,36 @@ def describe(run: dict[str, Any]) -> str:
 def table(runs: list[dict[str, Any]]) -> str:
     header = (
         "run",
-        "state/rank",
+        "state r0/r1",
         "params",
         "grads",
         "optim",
         "peak RSS r0/r1",
+        "RSS growth r0/r1",
         "samples/s",
         "tokens/s",
         "comm",
-        "MFU",
+        "matmul frac",
         "val loss",
     )
     rows = [header]
     for run in runs:
         peaks = "/".join(f"{b / MiB:,.0f}" for b in run["peak_memory_bytes_per_rank"])
+        growth = "/".join(f"{b / MiB:,.0f}" for b in run["peak_growth_bytes_per_rank"])
+        state = "/".join(f"{b / MiB:.2f}" for b in run["state_bytes_per_rank"])
         rows.append(
             (
                 label(run),
-                f"{run['state_bytes_rank0'] / MiB:.1f} MiB",
-                f"{run['param_bytes_rank0'] / MiB:.1f}",
-                f"{run['grad_bytes_rank0'] / MiB:.1f}",
-                f"{run['optimizer_bytes_rank0'] / MiB:.1f}",
+                f"{state} MiB",
+                f"{run['param_bytes_rank0'] / MiB:.2f}",
+                f"{run['grad_bytes_rank0'] / MiB:.2f}",
+                f"{run['optimizer_bytes_rank0'] / MiB:.2f}",
                 f"{peaks} MiB",
+                f"{growth} MiB",
                 f"{run['samples_per_s']:,.1f}",
                 f"{run['tokens_per_s']:,.0f}",
                 f"{run['comm_fraction']:.0%}",
-                f"{run['mfu']:.1%}",
+                f"{run['fraction_of_measured_matmul_peak']:.1%}",
                 f"{run['val_loss']:.4f}",
             )
         )
@@ -260,10 +280,16 @@ def main(argv: list[str] | None = None) -> None:
 
     by = {(r["strategy"], r["precision"]): r for r in runs}
 
-    def state_ratio(strategy: str) -> float | None:
+    def ratios(strategy: str, key: str) -> tuple[list[float] | None, float | None]:
+        """(per rank, fullest rank) `key` of `strategy` over ddp's, in fp32."""
         if (strategy, "none") not in by or ("ddp", "none") not in by:
-            return None
-        return by[strategy, "none"]["state_bytes_rank0"] / by["ddp", "none"]["state_bytes_rank0"]
+            return None, None
+        ours, ddp = by[strategy, "none"][key], by["ddp", "none"][key]
+        per_rank = [a / b for a, b in zip(ours, ddp, strict=True)]
+        return per_rank, max(ours) / max(ddp)
+
+    state_ratios = {s: ratios(s, "state_bytes_per_rank") for s in ("fsdp", "zero1")}
+    growth_ratios = {s: ratios(s, "peak_growth_bytes_per_rank") for s in ("fsdp", "zero1")}
 
     bf16_speedups = {
         s: by[s, "bf16"]["samples_per_s"] / by[s, "none"]["samples_per_s"] for s in args.strategies
@@ -271,14 +297,22 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(table(runs))
     print(
-        "\nsamples/s: median of epochs 2..N (steady); state/rank: rank 0's params + grads + "
-        "optimizer state; peak RSS: whole worker process"
+        "\nsamples/s: median of epochs 2..N (steady); state: params + grads + optimizer state "
+        "as stored (each storage once); peak RSS: whole worker process; RSS growth: peak "
+        "minus the RSS at the training loop's start"
     )
-    fsdp_ratio, zero1_ratio = state_ratio("fsdp"), state_ratio("zero1")
-    if fsdp_ratio is not None:
-        print(f"fsdp / ddp state per rank (fp32): {fsdp_ratio:.3f} (target <= 0.55)")
-    if zero1_ratio is not None:
-        print(f"zero1 / ddp state per rank (fp32): {zero1_ratio:.3f}")
+    for strategy in ("fsdp", "zero1"):
+        per_rank, fullest = state_ratios[strategy]
+        if per_rank is None:
+            continue
+        growth_per_rank, growth = growth_ratios[strategy]
+        target = " (target <= 0.55)" if strategy == "fsdp" else ""
+        print(
+            f"{strategy} / ddp (fp32) state: {fullest:.3f} fullest rank{target}, per rank "
+            + "/".join(f"{r:.3f}" for r in per_rank)
+            + f"; peak RSS growth: {growth:.2f}, per rank "
+            + "/".join(f"{r:.2f}" for r in growth_per_rank)
+        )
     print(
         "bf16 / fp32 samples/s: "
         + ", ".join(f"{s} {v:.2f}x" for s, v in bf16_speedups.items())
@@ -289,8 +323,17 @@ def main(argv: list[str] | None = None) -> None:
 
     summary = {
         "busy_runs": busy,
-        "fsdp_state_ratio": fsdp_ratio,
-        "zero1_state_ratio": zero1_ratio,
+        "fsdp_state_ratio": state_ratios["fsdp"][1],
+        "fsdp_state_ratio_per_rank": state_ratios["fsdp"][0],
+        "fsdp_rss_growth_ratio": growth_ratios["fsdp"][1],
+        "fsdp_rss_growth_ratio_per_rank": growth_ratios["fsdp"][0],
+        "zero1_state_ratio": state_ratios["zero1"][1],
+        "zero1_state_ratio_per_rank": state_ratios["zero1"][0],
+        "zero1_rss_growth_ratio": growth_ratios["zero1"][1],
+        "zero1_rss_growth_ratio_per_rank": growth_ratios["zero1"][0],
+        "state_measure": "relay.footprint: live storages of params, grads, optimizer state, "
+        "each once, after the last training step",
+        "rss_growth_measure": "peak RSS minus RSS at the training loop's start, per rank",
         "bf16_speedup": bf16_speedups.get("ddp"),
         "bf16_speedup_by_strategy": bf16_speedups,
         "throughput_measure": "median per-epoch samples/s over epochs 2..N (run history)",

@@ -37,7 +37,7 @@ def test_train_json_runs_and_show(tmp_path):
     assert lines[4].startswith("efficiency: 2 workers, ddp")
     report = lines[5:-2]
     assert [line.split()[0] for line in report] == [
-        "start-up", "throughput", "step", "MFU", "rank", "rank", "scaling"
+        "start-up", "throughput", "step", "flops", "rank", "rank", "scaling"
     ], out.stdout  # fmt: skip
     assert lines[-2].startswith("model: sinetask:1 at ")
     result = json.loads(lines[-1])
@@ -65,7 +65,8 @@ def test_train_json_runs_and_show(tmp_path):
     assert "sinetask:1" in relay("models", storage=tmp_path).stdout
 
     shown_text = relay("runs", "show", result["run_id"], storage=tmp_path).stdout
-    assert "efficiency: 2 workers, ddp" in shown_text and "MFU" in shown_text
+    assert "efficiency: 2 workers, ddp" in shown_text
+    assert "of measured matmul peak" in shown_text
 
     missing = relay("runs", "show", "nope", storage=tmp_path, check=False)
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr

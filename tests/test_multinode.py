@@ -20,6 +20,7 @@ import pytest
 import relay
 from relay import history
 from relay.config import from_dict
+from relay.tasks import build_task
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -61,6 +62,11 @@ def _config(name: str, **fields):
     )
 
 
+def _train_split(cfg) -> dict:
+    task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
+    return task.load_data(cfg.data.val_fraction, cfg.seed).train
+
+
 def _train_in_thread(cfg, run_id: str) -> tuple[threading.Thread, dict]:
     """`relay.train` in a thread: nodes can only be added and removed from the main thread."""
     outcome: dict = {}
@@ -99,13 +105,15 @@ def _finish(thread: threading.Thread, outcome: dict):
 
 
 def _lost_node_run(two_nodes, relay_home, cfg, run_id, *, replace: bool):
+    """The run's result and when (this process's clock) the node was removed."""
     cluster, workers = two_nodes
     thread, outcome = _train_in_thread(cfg, run_id)
     _wait_for_checkpoint(relay_home / "runs" / run_id, 2, thread)
+    removed_at = time.time()
     cluster.remove_node(workers[1])
     if replace:
         cluster.add_node(num_cpus=1)
-    return _finish(thread, outcome)
+    return _finish(thread, outcome), removed_at
 
 
 def _check_resumed(run_dir, epochs: int) -> tuple[list[dict], list[dict]]:
@@ -125,24 +133,44 @@ def _check_resumed(run_dir, epochs: int) -> tuple[list[dict], list[dict]]:
     return before, after
 
 
+def _check_restart_startup(report: dict, after: list[dict], removed_at: float) -> None:
+    """The report's start-up is the worker group that finished: it began after the node was
+    removed (the test's clock), and it was up, with model and data, before the group's first
+    epoch began (the history's clock). The training before the failure is not in it."""
+    startup = report["startup"]
+    assert startup["restarts"] >= 1 and startup["restarted_after_s"] > 0, startup
+    began = after[0]["time"] - after[0]["epoch_s"]  # the finishing group's first epoch
+    # 0.1 s: history stamps an epoch's start a few ms late; one machine, one clock.
+    assert startup["worker_group_s"] + startup["model_and_data_s"] <= began - removed_at + 0.1
+
+
 def test_fsdp_across_nodes_survives_a_lost_node_with_a_replacement(two_nodes, relay_home):
     cfg = _config("multinode-fsdp", parallel={"strategy": "fsdp"}, scaling={"num_workers": 2})
-    result = _lost_node_run(two_nodes, relay_home, cfg, "multinode-fsdp-1", replace=True)
+    result, removed_at = _lost_node_run(
+        two_nodes, relay_home, cfg, "multinode-fsdp-1", replace=True
+    )
 
     before, after = _check_resumed(result.run_dir, cfg.epochs)
     assert {h["workers"] for h in before} == {h["workers"] for h in after} == {2}
     assert after[-1]["val_loss"] < before[0]["val_loss"]
     report = result.efficiency
     assert report["workers"] == 2 and report["strategy"] == "fsdp"
-    assert report["step"]["comm_s"] >= 0
+    _check_restart_startup(report, after, removed_at)
+    # The restarted group's counts: samples of the epochs it trained, from the data set.
+    rows = len(next(iter(_train_split(cfg).values())))
+    counted = after[1:] if len(after) > 1 else after
+    assert report["throughput"]["samples"] == rows // 2 * 2 * len(counted)
 
 
 def test_elastic_ddp_continues_on_fewer_workers_when_a_node_is_lost(two_nodes, relay_home):
     cfg = _config("multinode-elastic", scaling={"num_workers": [1, 2]})
-    result = _lost_node_run(two_nodes, relay_home, cfg, "multinode-elastic-1", replace=False)
+    result, removed_at = _lost_node_run(
+        two_nodes, relay_home, cfg, "multinode-elastic-1", replace=False
+    )
 
     before, after = _check_resumed(result.run_dir, cfg.epochs)
     assert {h["workers"] for h in before} == {2}
     assert {h["workers"] for h in after} == {1}
     assert after[-1]["val_loss"] < before[0]["val_loss"]
     assert result.efficiency["workers"] == 1
+    _check_restart_startup(result.efficiency, after, removed_at)

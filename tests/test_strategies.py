@@ -27,9 +27,9 @@ def _engine_runs(_config: dict) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from relay import parallel
+    from relay import footprint, parallel
     from relay.config import OptimConfig, ParallelConfig
-    from relay.loop import optimizer_spec
+    from relay.epochs import optimizer_spec
     from relay.tasks import build_task
 
     torch.set_num_threads(1)
@@ -46,7 +46,10 @@ def _engine_runs(_config: dict) -> dict | None:
         torch.manual_seed(0)
         model = task.build_model()
         if state is not None:
-            model.load_state_dict(state["weights"], strict=False)  # tied head: saved once
+            # Strict: every key of the model must come from the saved state. The tied head is
+            # saved once, as tok_emb.weight (checkpoint.tied_aliases), so it is given here.
+            weights = {**state["weights"], "head.weight": state["weights"]["tok_emb.weight"]}
+            model.load_state_dict(weights, strict=True)
         engine = parallel.Engine(model, parallel_cfg, *spec)
         if state is not None:
             engine.load_optimizer_state(state["optimizer"])
@@ -88,7 +91,7 @@ def _engine_runs(_config: dict) -> dict | None:
     for name, parallel_cfg in variants.items():
         engine = build(parallel_cfg)
         out["losses"][name] = train(engine, range(STEPS))
-        out["state_bytes"][name] = engine.state_bytes()
+        out["state_bytes"][name] = footprint.state_bytes(engine.model, engine.optimizer)
         state = full_state(engine)
         out["weights"][name] = {k: v.numpy() for k, v in state["weights"].items()}
         if name == "fsdp":

@@ -5,23 +5,27 @@ workers at the end of training, and completed by the driver.
 
 Each factor gets a number: throughput overall and per worker; the step split into compute,
 gradient communication and the rest (timed by running the same micro-step with and without
-gradient synchronisation); model FLOPs utilisation against the workers' measured matmul peak;
-memory per rank; start-up; and, when a 1-worker run of the same config exists, speedup and
-scaling efficiency.
+gradient synchronisation); model FLOP/s as a fraction of the matmul rate measured on the workers
+themselves (not a vendor's peak: see `fraction_of_measured_matmul_peak`); memory per rank (the
+storages parameters, gradients and optimizer state really occupy, and peak memory growth);
+start-up; and, when a 1-worker run of the same config exists, speedup and scaling efficiency.
 """
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relay.console import human_bytes
 
-if TYPE_CHECKING:  # the driver imports this module; torch and Ray load only on the workers
-    from pathlib import Path
+if TYPE_CHECKING:  # the driver imports this module; torch loads only on the workers
+    import torch
 
     from relay import parallel
     from relay.config import RunConfig
-    from relay.loop import Epochs
+    from relay.epochs import Epochs
     from relay.tasks import Task
     from relay.tasks.base import Batch
 
@@ -29,7 +33,55 @@ if TYPE_CHECKING:  # the driver imports this module; torch and Ray load only on 
 
 
 # Bumped whenever a figure's definition changes: speedups compare reports of one version only.
-REPORT_VERSION = 2
+# 3: state bytes measured per storage (footprint.py), peak growth, the matmul-peak fraction
+# renamed from "mfu" with the peak the best of several sizes, attention FLOPs counted on CPU,
+# start-up of the worker group that finished.
+REPORT_VERSION = 3
+
+# How the matmul peak is measured, on every worker at once with its own thread count: square
+# matrices in the compute dtype, sizes doubling from the first; a size is timed `timings` times
+# (each timing at least `min_timing_s` of back-to-back matmuls) and its best kept; the peak is
+# the best size's. The sizes stop growing once one matmul takes over `max_matmul_s` (so the
+# probe costs about a second). Several sizes, because the fastest one differs by machine and
+# dtype: fp32 on a CPU peaks at the large ones, bf16 without native bf16 instructions at the
+# small ones (its large matmuls are several times slower per FLOP).
+PEAK_PROBE = {
+    "matrix_sizes": [64, 128, 256, 512, 1024, 2048, 4096],
+    "timings": 5,
+    "min_timing_s": 0.005,
+    "max_matmul_s": 0.05,
+}
+
+
+def matmul_peak(dtype: torch.dtype) -> dict[str, float]:
+    """This worker's best dense matmul rate, as PEAK_PROBE says: {"flops_per_s", "size"}."""
+    import math
+
+    import torch
+
+    from relay import parallel
+
+    def timed(a, b, reps: int) -> float:
+        parallel.synchronize()
+        started = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        parallel.synchronize()
+        return (time.perf_counter() - started) / reps
+
+    best = {"flops_per_s": 0.0, "size": 0}
+    for n in PEAK_PROBE["matrix_sizes"]:
+        a = torch.randn(n, n, device=parallel.device(), dtype=dtype)
+        b = torch.randn(n, n, device=parallel.device(), dtype=dtype)
+        once = timed(a, b, 1)  # also the warm-up
+        if once > PEAK_PROBE["max_matmul_s"] and best["size"]:
+            break
+        reps = max(1, math.ceil(PEAK_PROBE["min_timing_s"] / max(once, 1e-9)))
+        seconds = min(timed(a, b, reps) for _ in range(PEAK_PROBE["timings"]))
+        rate = 2 * n**3 / seconds
+        if rate > best["flops_per_s"]:
+            best = {"flops_per_s": rate, "size": n}
+    return best
 
 
 def measure(
@@ -44,14 +96,15 @@ def measure(
     others). Runs after the last epoch, so it costs a few extra steps and changes no weights.
     `memory_at_start`: what the rank held before it built anything (`current_memory()`)."""
 
-    from relay import parallel
+    from relay import footprint, parallel
 
-    state = engine.state_bytes()  # gradients of the last step are still allocated
+    # Gradients of the last step are still allocated: this is the state a step holds.
+    state = footprint.state_bytes(engine.model, engine.optimizer)
     timings = engine.time_micro_steps(lambda: task.loss_and_stats(engine.model, batch)[0])
     memory = parallel.peak_memory()
     dtype = engine.compute_dtype
     parallel.barrier()  # every rank measures its peak at once: the cores are shared as in training
-    peak = parallel.matmul_peak_flops(dtype)
+    peak = matmul_peak(dtype)
     flops_per_sample = model_flops_per_sample(task, batch) if parallel.is_main() else None
     ranks = parallel.gather_objects(
         {
@@ -59,7 +112,12 @@ def measure(
             **state,
             "peak_memory_bytes": memory["bytes"],
             "memory_at_start_bytes": memory_at_start,
-            "matmul_peak_flops": peak,
+            # What training added to the process at its peak (the process's own start-up,
+            # torch and Ray, is in memory_at_start).
+            "peak_growth_bytes": memory["bytes"] - memory_at_start,
+            "matmul_peak_flops": peak["flops_per_s"],
+            "matmul_peak_size": peak["size"],
+            "threads": _threads(),
             "probe_samples": len(next(iter(batch.values()))),
             **timings,
         }
@@ -69,15 +127,44 @@ def measure(
     return _combine(task, epochs, cfg, ranks, flops_per_sample, memory["kind"], dtype)
 
 
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _cpu_attention_flops() -> dict:
+    """FlopCounterMode's formulas for CPU's attention kernel, which torch 2.13 does not count
+    (it knows the CUDA kernels only): without them a transformer's attention matmuls would be
+    missing from its model FLOPs on CPU. The same formulas as for the CUDA kernels: the full
+    T x T products (causal masking does not halve them, as in PaLM's count)."""
+    import torch
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+    }
+
+
 def model_flops_per_sample(task: Task, batch: Batch) -> float:
     """FLOPs of one forward + backward per sample, counted by torch on a plain copy of the
-    model (so activation recomputation does not count: this is *model* FLOPs)."""
+    model (so activation recomputation does not count: this is *model* FLOPs). Matmuls,
+    convolutions and attention count; elementwise ops and normalisation do not."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from relay import parallel
 
     model = task.build_model().to(parallel.device())
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=_cpu_attention_flops()) as counter:
         loss, stats = task.loss_and_stats(model, batch)
         loss.backward()
     return counter.get_total_flops() / float(stats["count"])
@@ -134,12 +221,27 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
         "flops": {
             "model_flops_per_sample": flops_per_sample,
             "achieved_flops_per_s": achieved,
+            # Not MFU as papers use it (over the hardware vendor's peak): over the dense
+            # matmul rate measured here, which a vendor's peak exceeds.
+            "fraction_of_measured_matmul_peak": achieved / peak_total,
             "matmul_peak_flops_per_s": peak_total,
             "peak_dtype": str(dtype).removeprefix("torch."),
-            "mfu": achieved / peak_total,
+            "matmul_peak": {
+                "dtype": str(dtype).removeprefix("torch."),
+                "method": "square matmuls, best rate over sizes and timings (PEAK_PROBE), "
+                "all workers at once, summed over workers",
+                **PEAK_PROBE,
+                "workers_at_once": world,
+                "threads_per_worker": [r["threads"] for r in ranks],
+                "per_worker_flops_per_s": [r["matmul_peak_flops"] for r in ranks],
+                "per_worker_best_size": [r["matmul_peak_size"] for r in ranks],
+            },
         },
         "memory": {
             "kind": memory_kind,
+            # State bytes: each storage that parameters, gradients (after the last training
+            # step) and optimizer state use, counted once — padding and buckets included.
+            "state_method": "live tensors' storages, each counted once (relay.footprint)",
             "per_rank": [
                 {
                     key: r[key]
@@ -147,9 +249,11 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
                         "rank",
                         "peak_memory_bytes",
                         "memory_at_start_bytes",
+                        "peak_growth_bytes",
                         "param_bytes",
                         "grad_bytes",
                         "optimizer_bytes",
+                        "state_bytes",
                     )
                 }
                 for r in ranks
@@ -161,20 +265,77 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
 # --- on the driver ----------------------------------------------------------------------------
 
 
-def startup(times: dict[str, float], returned: dict[str, Any]) -> dict[str, float] | None:
-    """Start-up breakdown from the driver's clock marks and the workers' (same clock on one
-    machine; NTP-close across nodes). After a restart, the worker marks are the last group's."""
+# Where the controller stamps each worker failure it finds (see `failure_clock`).
+FAILURES = "worker_failures.jsonl"
+
+
+def failure_clock(run_dir: str | Path):
+    """A Ray Train callback, run on the controller, that appends to `<run dir>/FAILURES` the
+    time it finds failed workers: the moment a restarted worker group's start-up begins."""
+    import ray.train
+
+    path = Path(run_dir) / FAILURES
+
+    class FailureClock(ray.train.UserCallback):
+        def after_exception(self, run_context, worker_exceptions) -> None:
+            record = {"time": time.time(), "ranks": sorted(worker_exceptions)}
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    return FailureClock()
+
+
+def failure_times(run_dir: str | Path) -> list[float]:
+    path = Path(run_dir) / FAILURES
+    if not path.exists():
+        return []
+    times = []
+    for line in path.read_text().splitlines():
+        try:
+            times.append(float(json.loads(line)["time"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short: the controller died writing it
+    return times
+
+
+def startup(
+    times: dict[str, float],
+    returned: dict[str, Any],
+    failed_at: list[float] = (),
+    epochs_ended_at: list[float] = (),
+) -> dict[str, Any] | None:
+    """Start-up of the worker group that finished training, from the driver's clock marks and
+    that group's (same clock on one machine; NTP-close across nodes).
+
+    Without a restart the group started when `fit()` was called. When a group failed during
+    this `fit()` and another took over, the last group started when the controller found the
+    failure (`failed_at`, from `failure_clock`): the earlier groups' start-up and training are
+    not this group's start-up. `restarts` counts those failures; `restarted_after_s` is how far
+    into `fit()` the last began. Should a group have been replaced with no failure stamped, its
+    start is bounded by the last epoch another group ended (`epochs_ended_at`) this `fit()`.
+    `connect_s` and `prepare_s` are the driver's, paid once per `fit()`.
+    """
     marks = ("loop_started_at", "data_ready_at", "first_step_at")
     if any(returned.get(mark) is None for mark in marks):
         return None
     loop_at, data_at, first_step_at = (returned[mark] for mark in marks)
-    return {
+    fit_at = times["fit_called"]
+    failures = [t for t in failed_at if fit_at <= t <= loop_at]
+    earlier_epochs = [t for t in epochs_ended_at if fit_at <= t <= loop_at]
+    group_started = max([fit_at, *failures, *earlier_epochs])
+    parts = {
         "connect_s": times["connected"] - times["started"],
-        "prepare_s": times["fit_called"] - times["connected"],  # task data, datasets, trainer
-        "worker_group_s": loop_at - times["fit_called"],  # controller, actors, process group
+        "prepare_s": fit_at - times["connected"],  # task data, datasets, trainer
+        "worker_group_s": loop_at - group_started,  # controller, actors, process group
         "model_and_data_s": data_at - loop_at,  # model, strategy wrapping, the shard's rows
         "first_step_s": first_step_at - data_at,  # incl. compilation with `compile`
-        "total_s": first_step_at - times["started"],
+    }
+    restarted = group_started > fit_at
+    return {
+        **parts,
+        "total_s": sum(parts.values()),
+        "restarts": len(failures) if failures else int(restarted),
+        "restarted_after_s": group_started - fit_at if restarted else None,
     }
 
 
@@ -228,6 +389,22 @@ def _flops(n: float) -> str:
     return f"{n:.0f} FLOP/s"
 
 
+def _flops_line(f: dict[str, Any]) -> str:
+    achieved = f"{_flops(f['achieved_flops_per_s'])} of {_flops(f['matmul_peak_flops_per_s'])}"
+    if "matmul_peak" not in f:  # a report before v3 (`relay runs show` of an older run)
+        return (
+            f"  flops        {f['mfu']:.1%} of measured matmul peak: {achieved} "
+            f"({f['peak_dtype']}, 1024-square; not a vendor peak)"
+        )
+    probe = f["matmul_peak"]
+    sizes = "/".join(str(n) for n in sorted(set(probe["per_worker_best_size"])))
+    return (
+        f"  flops        {f['fraction_of_measured_matmul_peak']:.1%} of measured matmul peak: "
+        f"{achieved} ({probe['dtype']}, best at {sizes}-square, all "
+        f"{probe['workers_at_once']} workers at once; not a vendor peak)"
+    )
+
+
 def format_report(report: dict[str, Any]) -> str:
     t, s, f, m = report["throughput"], report["step"], report["flops"], report["memory"]
     lines = [
@@ -236,10 +413,16 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     if report.get("startup"):
         u = report["startup"]
+        restarted = ""
+        if u.get("restarts"):
+            restarted = (
+                f" (the worker group that finished: restarted {u['restarted_after_s']:.1f} s "
+                f"into fit after {u['restarts']} failure(s))"
+            )
         lines.append(
             f"  start-up     {u['total_s']:.1f} s = connect {u['connect_s']:.1f} + prepare "
             f"{u['prepare_s']:.1f} + worker group {u['worker_group_s']:.1f} + model and data "
-            f"{u['model_and_data_s']:.1f} + first step {u['first_step_s']:.1f}"
+            f"{u['model_and_data_s']:.1f} + first step {u['first_step_s']:.1f}{restarted}"
         )
     unit = t["unit"]
     rate = f"{t['samples_per_s']:,.0f} samples/s ({t['samples_per_s_per_worker']:,.0f}/worker)"
@@ -253,14 +436,12 @@ def format_report(report: dict[str, Any]) -> str:
         f"grad comm {s['comm_s'] * 1e3:.1f} + other {s['other_s'] * 1e3:.1f} "
         f"(comm {s['comm_fraction']:.0%} of compute+comm)"
     )
-    lines.append(
-        f"  MFU          {f['mfu']:.1%}: {_flops(f['achieved_flops_per_s'])} of a measured "
-        f"{f['peak_dtype']} matmul peak of {_flops(f['matmul_peak_flops_per_s'])}"
-    )
+    lines.append(_flops_line(f))
     for r in m["per_rank"]:
+        growth = r["peak_memory_bytes"] - r["memory_at_start_bytes"]  # reports before v3 lack it
         lines.append(
             f"  rank {r['rank']:<7} peak {human_bytes(r['peak_memory_bytes'])} ({m['kind']}; "
-            f"{human_bytes(r['memory_at_start_bytes'])} at start); "
+            f"+{human_bytes(growth)} over {human_bytes(r['memory_at_start_bytes'])} at start); "
             f"params {human_bytes(r['param_bytes'])}, grads {human_bytes(r['grad_bytes'])}, "
             f"optimizer {human_bytes(r['optimizer_bytes'])}"
         )

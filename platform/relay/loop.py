@@ -10,6 +10,7 @@ loss, metrics) in the task.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -63,6 +64,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
     model = task.build_model()
     start_epoch, train_state = _restore(model, ray.train.get_checkpoint())
+    # Before any rank can checkpoint again (the engine's set-up is a collective).
+    _remove_orphaned_staging(run_dir)
     engine = parallel.Engine(model, cfg.parallel, *optimizer_spec(cfg.optim))
 
     # The world size is known only here: an elastic run may restart with fewer workers.
@@ -115,6 +118,18 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def _staging_prefix(run_dir: Path) -> str:
+    """Rank 0 writes each checkpoint to a local temp dir that Ray Train copies to storage."""
+    return f"relay-ckpt-{run_dir.name}-"
+
+
+def _remove_orphaned_staging(run_dir: Path) -> None:
+    """A rank 0 killed mid-write (SIGKILL runs no cleanup) leaves its temp checkpoint dir
+    behind; the worker group that replaces it removes this run's leftovers on its nodes."""
+    for path in Path(tempfile.gettempdir()).glob(_staging_prefix(run_dir) + "*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, scheduler):
     """Report an epoch; every rank calls `ray.train.report` (a collective), rank 0 alone
     attaches the checkpoint and appends the epoch to the run's history."""
@@ -127,7 +142,7 @@ def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, schedule
     if not parallel.is_main():
         ray.train.report(metrics)
         return
-    with tempfile.TemporaryDirectory(prefix="relay-ckpt-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=_staging_prefix(run_dir)) as tmp:
         checkpoint.save_state(
             tmp,
             weights=weights,

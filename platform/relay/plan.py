@@ -24,6 +24,15 @@ Per rank, with N workers (P, G, O: full parameter, gradient and optimizer bytes;
                                 `reshard_after_forward: false`. With N = 1, fsdp does not shard
                                 (parallel.py), so it costs what ddp does.
 
+"/N" is what the fullest rank really gets, as torch splits, not an even split (tests/test_plan.py
+checks the figures against the bytes a real `parallel.Engine` holds):
+  zero1  whole parameters go to ranks, largest first, each to the rank with the fewest elements
+         so far (ZeroRedundancyOptimizer's partition); the fullest rank's optimizer state counts.
+  fsdp   each parameter is split along its first dimension, padded to a multiple of N rows:
+         parameters and gradients hold ceil(rows / N) rows per rank, padding included; the
+         optimizer's parameter-shaped state (AdamW's moments) the real rows of rank 0, the
+         fullest; its per-parameter scalars (AdamW's `step`) are not sharded: every rank has all.
+
 Mixed precision keeps fp32 master weights, gradients and optimizer state; it shrinks the saved
 activations and fsdp's gathered parameters.
 
@@ -104,6 +113,21 @@ def default_device_memory() -> tuple[int, str]:
 
 
 @dataclass(frozen=True)
+class ParamState:
+    """One parameter as the strategies split it: by rows (its first dimension)."""
+
+    numel: int
+    rows: int
+    itemsize: int
+    optimizer_bytes_per_element: int  # its parameter-shaped optimizer state (moments)
+    optimizer_fixed_bytes: int  # the rest of its optimizer state (e.g. AdamW's `step`)
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return self.numel * self.optimizer_bytes_per_element + self.optimizer_fixed_bytes
+
+
+@dataclass(frozen=True)
 class ModelState:
     """Full (unsharded) sizes of one replica."""
 
@@ -112,6 +136,28 @@ class ModelState:
     optimizer_bytes: int
     unit_parameters: int  # the largest unit's: what FSDP gathers at once
     root_parameters: int  # in no unit: FSDP's root keeps them gathered for the whole step
+    tensors: tuple[ParamState, ...] = ()  # per parameter, in the model's order
+
+    def zero1_optimizer_bytes(self, workers: int) -> int:
+        """The fullest rank's optimizer state under ZeroRedundancyOptimizer's partition:
+        parameters largest first (a stable sort), each to the rank with the fewest elements."""
+        elements, state = [0] * workers, [0] * workers
+        for param in sorted(self.tensors, key=lambda t: t.numel, reverse=True):
+            rank = elements.index(min(elements))
+            elements[rank] += param.numel
+            state[rank] += param.optimizer_bytes
+        return max(state)
+
+    def fsdp_rank0_bytes(self, workers: int) -> tuple[int, int]:
+        """(parameter bytes, optimizer bytes) of rank 0, the fullest, under FSDP2's padded
+        row split; gradients take the parameters' padded bytes."""
+        params = optimizer = 0
+        for t in self.tensors:
+            rows = math.ceil(t.rows / workers)
+            row_numel = t.numel // max(t.rows, 1)
+            params += rows * row_numel * t.itemsize
+            optimizer += rows * row_numel * t.optimizer_bytes_per_element + t.optimizer_fixed_bytes
+        return params, optimizer
 
 
 @dataclass(frozen=True)
@@ -133,21 +179,35 @@ def measure_model_state(cfg: RunConfig, task: Task, batch: dict[str, torch.Tenso
     loss, _ = task.loss_and_stats(model, batch)
     loss.backward()
     optimizer.step()
-    optimizer_bytes = sum(
-        value.numel() * value.element_size()
-        for state in optimizer.state.values()
-        for value in state.values()
-        if torch.is_tensor(value)
-    )
+    tensors = tuple(_param_state(p, optimizer.state.get(p, {})) for p in params)
     in_units = {id(p) for unit in units(model) for p in unit.parameters()}
     return ModelState(
         parameters=sum(p.numel() for p in params),
         param_bytes=sum(p.numel() * p.element_size() for p in params),
-        optimizer_bytes=optimizer_bytes,
+        optimizer_bytes=sum(t.optimizer_bytes for t in tensors),
+        tensors=tensors,
         unit_parameters=max(
             (sum(p.numel() for p in unit.parameters()) for unit in units(model)), default=0
         ),
         root_parameters=sum(p.numel() for p in params if id(p) not in in_units),
+    )
+
+
+def _param_state(param: torch.Tensor, state: dict[str, Any]) -> ParamState:
+    per_element = fixed = 0
+    for value in state.values():
+        if not torch.is_tensor(value):
+            continue
+        if value.shape == param.shape:
+            per_element += value.element_size()
+        else:
+            fixed += value.numel() * value.element_size()
+    return ParamState(
+        numel=param.numel(),
+        rows=param.shape[0] if param.dim() else 1,
+        itemsize=param.element_size(),
+        optimizer_bytes_per_element=per_element,
+        optimizer_fixed_bytes=fixed,
     )
 
 
@@ -256,15 +316,15 @@ def per_rank(
     reshard_after_forward: bool,
     device_memory: int,
 ) -> dict[str, Any]:
-    """One rank's bytes under `strategy` (see the module docstring for the formulas)."""
+    """The fullest rank's bytes under `strategy` (see the module docstring)."""
     p = g = state.param_bytes  # fp32 gradients: one per parameter
     o = state.optimizer_bytes
     gathered = 0
     if strategy == "zero1":
-        o = math.ceil(o / workers)
+        o = state.zero1_optimizer_bytes(workers)
     elif strategy == "fsdp" and workers > 1:  # one worker: parallel.py does not shard
-        # Shards are padded to equal sizes: round up.
-        p, g, o = (math.ceil(x / workers) for x in (p, g, o))
+        p, o = state.fsdp_rank0_bytes(workers)
+        g = p
         at_once = (
             state.root_parameters + state.unit_parameters
             if reshard_after_forward

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from relay import cluster, console, efficiency, history, registry
+from relay import checkpoint, cluster, console, efficiency, history, registry
 from relay.config import ConfigError, RunConfig
 
 
@@ -30,7 +30,9 @@ class RunResult:
     history: list[dict[str, Any]] = field(default_factory=list)
     replicas_in_sync: bool | None = None
     model: str | None = None  # the model version this run was registered as, e.g. "digits:3"
-    startup_s: float | None = None  # from fit() to the first training step (cluster, workers, data)
+    # From this fit() call's start to the start of the first epoch it trained (cluster, workers,
+    # data); None when it trained none (e.g. resumed after its last epoch).
+    startup_s: float | None = None
     efficiency: dict[str, Any] | None = None  # see relay.efficiency
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -130,6 +132,11 @@ def fit(
     previous = registry.read(registry.runs_root(cfg.storage_path()) / run_id) if run_id else None
     if previous:
         check_resumable(previous["config"], cfg)
+        # The checkpoint the workers will load, checked here: a damaged one fails now, naming
+        # the file, not on every worker (and every retry) after a cluster start.
+        if latest := checkpoint.latest_registered(registry.runs_root(cfg.storage_path()) / run_id):
+            checkpoint.validate(latest[0])
+    registry.check_writable(registry.runs_root(cfg.storage_path()))
     cluster.connect(verbose=verbose)
     times["connected"] = time.time()
     task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
@@ -155,6 +162,7 @@ def fit(
         **(labels or {}),
         "config": cfg.model_dump(mode="json"),
     }
+    registry.reserve(run_dir)
     registry.write(run_dir, record)
     if out is not None:
         out.write(
@@ -162,22 +170,29 @@ def fit(
             f"{cfg.parallel.strategy}\n"
         )
 
+    # The failure clock stamps worker-group restarts: the efficiency report's start-up.
+    callbacks = [*(callbacks or []), efficiency.failure_clock(run_dir)]
     trainer = build_trainer(cfg, run_id, to_ray_datasets(split), train_rows, callbacks)
     try:
         with console.follow(run_dir, cfg.epochs, out):
             times["fit_called"] = time.time()
             result = trainer.fit()
     except BaseException as exc:
-        registry.write(run_dir, {**record, "status": "failed", "error": repr(exc)[:2000]})
+        _record_failure(run_dir, record, exc)
         raise
 
     run = _run_result(cfg, run_id, run_dir, result)
-    run.efficiency = _efficiency(cfg, run_id, times, result.return_value or {})
-    if run.history:
-        first = run.history[0]
+    trained = [e for e in history.read_raw(run_dir) if e["time"] >= started]  # by this call
+    run.efficiency = _efficiency(cfg, run_dir, times, result.return_value or {}, trained)
+    if trained:  # a resumed run's history starts with epochs an earlier call trained
+        first = trained[0]
         run.startup_s = round(first["time"] - first["epoch_s"] - started, 3)
     if register and run.checkpoint:
-        version = register_model(cfg, run_id, run.checkpoint, run.best_metrics, model_name)
+        try:
+            version = register_model(cfg, run_id, run.checkpoint, run.best_metrics, model_name)
+        except BaseException as exc:  # e.g. the storage filled up at the very end
+            _record_failure(run_dir, record, exc)
+            raise
         run.model = f"{version['model']}:{version['version']}"
     registry.write(
         run_dir,
@@ -195,12 +210,33 @@ def fit(
             "model": run.model,
             "efficiency": run.efficiency,
         },
+        final=True,
     )
     if out is not None:
         if run.efficiency:
             out.write(efficiency.format_report(run.efficiency) + "\n")
         out.write(f"model: {run.model} at {run.checkpoint}\n")
     return run
+
+
+def _record_failure(run_dir: Path, record: dict[str, Any], exc: BaseException) -> None:
+    """Record the run as failed. If even that cannot be written (storage gone read-only; a
+    full disk is covered by the record's reserve), say so on stderr: the record then still
+    reads "running", and the error raised to the caller is the run's own."""
+    failed = {
+        **record,
+        "status": "failed",
+        "finished_at": datetime.now(UTC).isoformat(),
+        "error": repr(exc)[:2000],
+    }
+    try:
+        registry.write(run_dir, failed, final=True)
+    except OSError as write_error:
+        print(
+            f"relay: run {record['run_id']} failed and {run_dir / registry.RECORD} could not "
+            f"record it: {write_error.strerror or write_error}",
+            file=sys.stderr,
+        )
 
 
 # What a resumed run may not change: the checkpoint's weights must fit the model.
@@ -219,11 +255,16 @@ def check_resumable(previous: dict[str, Any], cfg: RunConfig) -> None:
             )
 
 
-def _efficiency(cfg: RunConfig, run_id: str, times: dict, returned: dict) -> dict | None:
+def _efficiency(
+    cfg: RunConfig, run_dir: Path, times: dict, returned: dict, trained: list[dict]
+) -> dict | None:
     report = returned.get("efficiency")
     if report is None:  # e.g. resumed after its last epoch: nothing trained in this run
         return None
-    report["startup"] = efficiency.startup(times, returned)
+    failed_at = efficiency.failure_times(run_dir)
+    ended_at = [e["time"] for e in trained]
+    report["startup"] = efficiency.startup(times, returned, failed_at, ended_at)
+    run_id = run_dir.name
     efficiency.add_reference(report, efficiency.find_reference(cfg.storage_path(), cfg, run_id))
     return report
 
