@@ -109,8 +109,12 @@ def strategies(f: dict[str, Any]) -> str:
         f"measured state per rank (live tensors after a step, each storage once): "
         f"`fsdp_state_ratio` **{ratio(f['fsdp_state_ratio'])}**, zero1 "
         f"{ratio(f['zero1_state_ratio'])} of ddp; peak RSS growth per rank fsdp/ddp "
-        f"{ratio(f['fsdp_rss_growth_ratio'])}; `bf16_speedup` **{ratio(f['bf16_speedup'])}** "
-        f"(ddp)"
+        f"{ratio(f['fsdp_rss_growth_ratio'])}; "
+        + (
+            f"`bf16_speedup` **{ratio(f['bf16_speedup'])}** (ddp)"
+            if f["bf16_speedup"] is not None
+            else f["bf16_skipped"]
+        )
     )
 
 

@@ -26,8 +26,9 @@ an MLP 1024 -> 2048 -> 2048 -> 1 of 6.3 M parameters, batch 512 per worker. Chos
 1024 inputs, not 64), and the synthetic data set can be made as large as needed, so an epoch has
 ~12 full steps per worker at 2 workers instead of 2-3 with a ragged last batch. At batch 512 a
 step is ~0.2 s of matmul on one thread of this machine, AdamW ~20 ms, and the gradient all-reduce
-moves 25 MB: compute dominates, so MFU means something. charlm's FLOPs include attention, layer
-norms, softmax and embeddings that run far from the matmul peak on a CPU.
+moves 25 MB: compute dominates, so the fraction of the matmul peak means something. charlm's
+FLOPs include attention, layer norms, softmax and embeddings that run far from the matmul peak
+on a CPU.
 
 Figures (relay's from its efficiency report unless marked "steady"):
   samples/s        global training samples / seconds of the training passes the report
@@ -47,15 +48,13 @@ Figures (relay's from its efficiency report unless marked "steady"):
   relay_vs_torchrun_1w, relay_vs_torchrun_2w
                    relay's samples/s over torchrun's at 1 and at 2 workers (the speedup_2w
                    definition).
-  mfu              (also `fraction_of_measured_matmul_peak`, the name for what it is)
+  fraction_of_measured_matmul_peak
                    the 2-worker run's achieved model FLOP/s (forward + backward FLOPs per
                    sample counted by torch, times samples/s) over the sum of the workers'
-                   measured 1024^3 fp32 matmul rates, measured with both workers running at
-                   once — a fraction of a peak measured on this machine, not of a datasheet
-                   peak (target >= 0.4). mfu_1w: the same for the 1-worker run.
-                   (2048-wide GEMMs run a little faster than the 1024^3 probe, so the forward
-                   and backward alone reach ~1.0 of it; the optimizer step and data are what
-                   keep it below that.)
+                   measured matmul rates (relay's report: the best square size tried, fp32,
+                   both workers measuring at once) — a fraction of a peak measured on this
+                   machine, not of a datasheet peak, so not MFU as papers report it (target
+                   >= 0.4). _1w: the same for the 1-worker run.
   step split       per optimizer step: compute (forward + backward without gradient sync),
                    comm (the same micro-step with sync minus without: what the all-reduce costs
                    beyond what backward hides) and other (optimizer, data, timers: step time
@@ -100,7 +99,7 @@ DEFAULT_MODEL = {"features": 1024, "hidden": [2048, 2048], "samples": 15_360}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="1 -> 2 worker scaling, relay and plain torchrun: speedup and MFU."
+        description="1 -> 2 worker scaling, relay vs plain torchrun: speedup, matmul peak fraction."
     )
     parser.add_argument("--task", default=DEFAULT_TASK, help="task name (default: regression)")
     parser.add_argument("--size", default="default", help="task size preset (default: default)")
@@ -175,7 +174,7 @@ def train(cfg_dict: dict[str, Any], show_progress: bool) -> dict[str, Any]:
         "step": {k: report["step"][k] for k in ("step_s", "compute_s", "comm_s", "other_s")},
         "comm_fraction": report["step"]["comm_fraction"],
         # efficiency.py may name the figure for what it is; read whichever name exists.
-        "mfu": flops.get("fraction_of_measured_matmul_peak", flops.get("mfu")),
+        "peak_fraction": flops["fraction_of_measured_matmul_peak"],
         "model_flops_per_sample": flops["model_flops_per_sample"],
         "achieved_flops_per_s": flops["achieved_flops_per_s"],
         "matmul_peak_flops_per_s": flops["matmul_peak_flops_per_s"],
@@ -211,7 +210,8 @@ def describe(run: dict[str, Any]) -> str:
     s = run["step"]
     return (
         f"relay, {run['workers']} worker(s): {run['samples_per_s']:,.0f} samples/s "
-        f"(steady {run['steady_samples_per_s']:,.0f}), MFU {run['mfu']:.1%}, step "
+        f"(steady {run['steady_samples_per_s']:,.0f}), "
+        f"{run['peak_fraction']:.1%} of measured matmul peak, step "
         f"{s['step_s'] * 1e3:.0f} ms = compute {s['compute_s'] * 1e3:.0f} + comm "
         f"{s['comm_s'] * 1e3:.0f} + other {s['other_s'] * 1e3:.0f}, "
         f"{run['optimizer_steps']} steps, wall {run['wall_s']:.1f} s, "
@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     if relay_reference_speedup is not None:
         print(f"(relay's own report: {relay_reference_speedup:.3f}x over {reference['run_id']})")
     print(
-        f"MFU: {two['mfu']:.1%} at 2 workers (target >= 40%), {one['mfu']:.1%} at 1 worker; "
+        f"fraction of measured matmul peak: {two['peak_fraction']:.1%} at 2 workers "
+        f"(target >= 40%), {one['peak_fraction']:.1%} at 1 worker; "
         f"comm {two['comm_fraction']:.0%} of compute+comm at 2 workers"
     )
     for side, runs in (("relay", relay_runs), ("torchrun", torchrun_runs)):
@@ -313,11 +314,9 @@ def main(argv: list[str] | None = None) -> None:
         "relay_reference_speedup": relay_reference_speedup,
         "scaling_efficiency": speedup / 2,
         "torchrun_scaling_efficiency": torchrun_speedup / 2,
-        "mfu": two["mfu"],
-        "mfu_1w": one["mfu"],
         # The same figures under the name that says what they are (see efficiency.py).
-        "fraction_of_measured_matmul_peak": two["mfu"],
-        "fraction_of_measured_matmul_peak_1w": one["mfu"],
+        "fraction_of_measured_matmul_peak": two["peak_fraction"],
+        "fraction_of_measured_matmul_peak_1w": one["peak_fraction"],
         "comm_fraction": two["comm_fraction"],
         "step_2w": two["step"],
         "step_1w": one["step"],

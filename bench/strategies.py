@@ -53,7 +53,8 @@ The last stdout line is one JSON object, the ratios taken in fp32 and per rank:
                                   Ray Data and the checkpoint gather: far from 0.5 for a small
                                   model)
   zero1_*                         the same for zero1
-and bf16_speedup = bf16 / fp32 steady samples/s under ddp, bf16_speedup_by_strategy, and the
+and bf16_speedup = bf16 / fp32 steady samples/s under ddp (null, with `bf16_skipped` saying
+why, where the CPU has no fast bf16 matmul), bf16_speedup_by_strategy, and the
 raw table. bf16 pays off on a
 CPU only with native bf16 matmuls (AVX512-BF16 / AMX); it is slower where they are missing.
 The bench sets RELAY_HOME and the runs' storage to a temporary dir (deleted at the end), starts
@@ -87,6 +88,31 @@ DEFAULT_MODEL = {
 }
 STRATEGIES = ("ddp", "zero1", "fsdp")
 PRECISIONS = ("none", "bf16")
+# bf16 runs only where this CPU multiplies bf16 at least this fraction as fast as fp32: without
+# native bf16 instructions (AVX512-BF16 / AMX) torch emulates it ~40x slower, and the three bf16
+# runs would take most of an hour to show only that.
+BF16_MIN_RATE = 0.5
+
+
+def matmul_rates() -> dict[str, float]:
+    """GFLOP/s of a 512-square matmul on one thread, fp32 and bf16 (best of 3)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rates = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(512, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - started)
+        rates[name] = 2 * 512**3 / best / 1e9
+    torch.set_num_threads(threads)
+    return rates
+
+
 MiB = 1024 * 1024
 
 
@@ -109,6 +135,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW lr (default: 1e-3)")
     parser.add_argument(
         "--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all)"
+    )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="run the bf16 side even where this CPU has no fast bf16 matmul",
     )
     parser.add_argument(
         "--show-progress", action="store_true", help="relay's per-epoch lines on stderr"
@@ -266,10 +297,20 @@ def main(argv: list[str] | None = None) -> None:
             f"(1 CPU, 1 thread each), {cfg.epochs} epochs",
             flush=True,
         )
+        rates = matmul_rates()
+        precisions = list(PRECISIONS)
+        bf16_skipped = None
+        if not args.bf16 and rates["bf16"] < BF16_MIN_RATE * rates["fp32"]:
+            precisions.remove("bf16")
+            bf16_skipped = (
+                f"bf16 runs skipped: this CPU multiplies bf16 at {rates['bf16']:.1f} GFLOP/s "
+                f"against {rates['fp32']:.1f} for fp32 (no native bf16; --bf16 runs them anyway)"
+            )
+            print(bf16_skipped, flush=True)
         runs: list[dict[str, Any]] = []
         try:
             for strategy in args.strategies:
-                for precision in PRECISIONS:
+                for precision in precisions:
                     cfg_dict = run_config(args, storage, strategy, precision)
                     runs.append(train(cfg_dict, block_size, args.show_progress))
                     print(describe(runs[-1]), flush=True)
@@ -292,7 +333,9 @@ def main(argv: list[str] | None = None) -> None:
     growth_ratios = {s: ratios(s, "peak_growth_bytes_per_rank") for s in ("fsdp", "zero1")}
 
     bf16_speedups = {
-        s: by[s, "bf16"]["samples_per_s"] / by[s, "none"]["samples_per_s"] for s in args.strategies
+        s: by[s, "bf16"]["samples_per_s"] / by[s, "none"]["samples_per_s"]
+        for s in args.strategies
+        if (s, "bf16") in by
     }
     print()
     print(table(runs))
@@ -314,8 +357,11 @@ def main(argv: list[str] | None = None) -> None:
             + "/".join(f"{r:.2f}" for r in growth_per_rank)
         )
     print(
-        "bf16 / fp32 samples/s: "
-        + ", ".join(f"{s} {v:.2f}x" for s, v in bf16_speedups.items())
+        (
+            "bf16 / fp32 samples/s: " + ", ".join(f"{s} {v:.2f}x" for s, v in bf16_speedups.items())
+            if bf16_speedups
+            else bf16_skipped
+        )
         + f"; wall time {wall_s:.1f} s"
     )
 
@@ -323,6 +369,8 @@ def main(argv: list[str] | None = None) -> None:
 
     summary = {
         "busy_runs": busy,
+        "matmul_gflops_1thread": rates,
+        "bf16_skipped": bf16_skipped,
         "fsdp_state_ratio": state_ratios["fsdp"][1],
         "fsdp_state_ratio_per_rank": state_ratios["fsdp"][0],
         "fsdp_rss_growth_ratio": growth_ratios["fsdp"][1],

@@ -9,7 +9,7 @@ import torch
 
 from relay import checkpoint
 from relay.config import ScheduleConfig
-from relay.loop import build_scheduler
+from relay.epochs import build_scheduler
 from relay.tasks import build_task
 
 pytestmark = pytest.mark.timeout(120)

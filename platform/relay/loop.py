@@ -24,17 +24,7 @@ from torch import nn
 from relay import checkpoint, efficiency, history, parallel
 from relay.config import RunConfig
 from relay.data import ShardBatches
-
-# build_optimizer, build_scheduler, Epochs and optimizer_spec are also imported from here by
-# callers written before epochs.py existed; new code imports them from relay.epochs.
-from relay.epochs import (  # noqa: F401
-    Epochs,
-    build_optimizer,
-    build_scheduler,
-    fast_forward,
-    optimizer_spec,
-    steps_per_epoch,
-)
+from relay.epochs import Epochs, build_scheduler, fast_forward, optimizer_spec, steps_per_epoch
 from relay.tasks import build_task
 
 

@@ -359,23 +359,6 @@ class Engine:
 
     # --- what it costs ---
 
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state held by this rank (local shards;
-        gradients as left by the last backward)."""
-        params = list(self.model.parameters())
-        optim = self.optimizer.optim if self._is_zero() else self.optimizer
-        optimizer_bytes = sum(
-            _local_bytes(value)
-            for per_param in optim.state.values()
-            for value in per_param.values()
-            if torch.is_tensor(value)
-        )
-        return {
-            "param_bytes": sum(_local_bytes(p) for p in params),
-            "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-            "optimizer_bytes": optimizer_bytes,
-        }
-
     def time_micro_steps(self, loss_fn: Callable[[], torch.Tensor], steps: int = 3) -> dict:
         """Seconds per forward/backward with and without gradient synchronisation, measured
         on this rank with all ranks in lock-step. Their difference is what the gradient
@@ -407,11 +390,6 @@ def _snapshot(tree: Any) -> Any:
     return tree
 
 
-def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module inside whatever wrapper parallel.py put around it (FSDP2 shards in
     place, so an FSDP model is its own plain module)."""
@@ -419,22 +397,6 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 # --- measuring the hardware --------------------------------------------------------------------
-
-
-def matmul_peak_flops(dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
-    """This worker's measured dense matmul FLOP/s (best of several), with its thread count —
-    the denominator of model FLOPs utilisation."""
-    a = torch.randn(size, size, device=device(), dtype=dtype)
-    b = torch.randn(size, size, device=device(), dtype=dtype)
-    best = float("inf")
-    for _ in range(6):
-        synchronize()
-        started = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        synchronize()
-        best = min(best, (time.perf_counter() - started) / 4)
-    return 2 * size**3 / best
 
 
 def current_memory() -> int:

@@ -66,7 +66,7 @@ from torch import nn
 
 from relay.config import ConfigError, RunConfig
 from relay.console import human_bytes
-from relay.loop import build_optimizer
+from relay.epochs import build_optimizer
 from relay.parallel import PRECISION_DTYPES, apply_activation_checkpointing, units
 from relay.tasks import Task, build_task
 
