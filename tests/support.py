@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -84,3 +86,39 @@ def process_gone(pid: int, timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+# Runs `relay.cli.main` on each argv in one fresh interpreter and reports, besides each exit code
+# and stderr, whether Ray was imported or a Ray cluster started before the refusals came.
+_CLI_PROBE = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    from relay.cli import main
+    results = {}
+    for name, argv in json.loads(sys.argv[1]).items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(argv)
+        results[name] = {"code": code, "stderr": err.getvalue()}
+    ray = sys.modules.get("ray")
+    results["ray_imported"] = ray is not None
+    results["ray_initialized"] = ray is not None and ray.is_initialized()
+    print(json.dumps(results))
+    """
+)
+
+
+def cli_in_fresh_interpreter(
+    cases: dict[str, list[str]], *, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> dict:
+    """{case name: {"code", "stderr"}, "ray_imported", "ray_initialized"} for `relay ARGV...`."""
+    out = subprocess.run(
+        [sys.executable, "-c", _CLI_PROBE, json.dumps(cases)],
+        cwd=cwd,
+        env=env or subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
-
 import pytest
-from support import REPO, subprocess_env
+from support import REPO, cli_in_fresh_interpreter
 
 from relay import config
 from relay.config import ConfigError
@@ -110,24 +105,6 @@ def test_bad_values_name_the_field(overrides, field):
     assert str(info.value).startswith(f"{field}:"), str(info.value)
 
 
-# Each kind of bad config, run through the real CLI in a fresh interpreter so we can also see
-# that Ray was never imported (let alone started) before the config was rejected.
-CHECK_CLI = textwrap.dedent(
-    """
-    import contextlib, io, json, sys
-    from relay.cli import main
-    results = {}
-    for name, argv in json.loads(sys.argv[1]).items():
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            code = main(argv)
-        results[name] = {"code": code, "stderr": err.getvalue()}
-    results["ray_imported"] = "ray" in sys.modules
-    print(json.dumps(results))
-    """
-)
-
-
 def test_cli_rejects_bad_configs_before_ray(tmp_path):
     files = {
         "unknown_key": "task: digits\nepochz: 3\n",
@@ -149,15 +126,9 @@ def test_cli_rejects_bad_configs_before_ray(tmp_path):
     old_style.write_text(SWEEP.read_text().replace("asha: {", "asha: {max_t: 10, "))
     old_style.with_name("digits.yaml").write_text(DIGITS.read_text())
     cases["tune_epochs_vs_max_t"] = ["tune", str(old_style), "--set", "train.epochs=6"]
-    out = subprocess.run(
-        [sys.executable, "-c", CHECK_CLI, json.dumps(cases)],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        timeout=100,
-        check=True,
-    )
-    results = json.loads(out.stdout.strip().splitlines()[-1])
+    # In a fresh interpreter, so we can also see that Ray was never imported (let alone started)
+    # before the config was rejected.
+    results = cli_in_fresh_interpreter(cases)
     expect_in_message = {
         "unknown_key": "epochz: unknown field",
         "wrong_type": "batch_size:",

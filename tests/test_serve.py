@@ -9,14 +9,11 @@ tests train on the same cluster and need its CPUs.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 from pathlib import Path
 
@@ -24,7 +21,7 @@ import pytest
 import requests
 import torch
 import yaml
-from support import REPO, free_port, subprocess_env
+from support import REPO, cli_in_fresh_interpreter, free_port, subprocess_env
 
 from relay import checkpoint, config, registry
 from relay.tasks import Task, TaskSize, build_task
@@ -364,25 +361,6 @@ def test_a_task_without_schemas_cannot_be_served(tmp_path):
         task.predict(task.build_model(), [])
 
 
-# `relay serve` refusals, run through the real CLI in a fresh interpreter: serve/app.py imports
-# Ray Serve, so Ray may be imported, but no cluster may have been started when a refusal comes.
-CHECK_SERVE_CLI = textwrap.dedent(
-    """
-    import contextlib, io, json, sys
-    from relay.cli import main
-    results = {}
-    for name, argv in json.loads(sys.argv[1]).items():
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            code = main(argv)
-        results[name] = {"code": code, "stderr": err.getvalue()}
-    ray = sys.modules.get("ray")
-    results["ray_initialized"] = ray is not None and ray.is_initialized()
-    print(json.dumps(results))
-    """
-)
-
-
 def test_refusals_come_before_any_ray_work(tmp_path):
     storage = tmp_path / "storage"
     make_version(storage, "test_serve:NoSchemaTask", steps=0, model_name="plain")
@@ -401,20 +379,17 @@ def test_refusals_come_before_any_ray_work(tmp_path):
             "bad_flag": ["serve", "digits:best", *at, "--max-batch-size", "0"],
             "port_taken": ["serve", "digits:best", *at, "--port", str(busy.getsockname()[1])],
         }
-        out = subprocess.run(
-            [sys.executable, "-c", CHECK_SERVE_CLI, json.dumps(cases)],
+        # serve/app.py imports Ray Serve, so Ray may be imported, but no cluster may have been
+        # started when a refusal comes.
+        results = cli_in_fresh_interpreter(
+            cases,
             cwd=REPO / "tests",  # where `test_serve:NoSchemaTask` imports from
             env=subprocess_env(RAY_TMPDIR=str(ray_tmp)),
-            capture_output=True,
-            text=True,
-            timeout=120,
         )
         sessions = sorted(p.name for p in ray_tmp.rglob("session_*"))
     finally:
         busy.close()
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
     expect_in_message = {
         "unknown_model": "no model, run or checkpoint 'nope:best'",
         "no_schemas": "needs Instance and Prediction schemas",
