@@ -19,7 +19,7 @@ demo: venv
 	$(BIN)/python jobs/demo.py
 
 test: venv
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=25
 
 lint: venv
 	$(BIN)/ruff check .

@@ -13,7 +13,6 @@ import glob
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -207,7 +206,7 @@ FINAL_METRICS = ("train_loss", "val_loss", "val_accuracy", "train_accuracy")
 def test_sigkilled_workers_at_random_moments(ray_cluster, tmp_path):
     """3 runs x 3-4 SIGKILLs of a random worker (rank 0 or 1) at a random moment.
 
-    Tolerance of the final metrics against an uninterrupted run: rel 1e-5 (losses, lr) and
+    Tolerance of every epoch's metrics against an uninterrupted run: rel 1e-5 (losses, lr) and
     exact accuracies. A resumed run is the same computation: weights and AdamW moments come
     back bit for bit (safetensors, torch.save), the lr is recomputed from the epoch, the shuffle
     is seeded per epoch and the data split is the same; what may differ is the order of float
@@ -244,20 +243,20 @@ def test_sigkilled_workers_at_random_moments(ray_cluster, tmp_path):
             # that checkpoint's is trained again after the kill.
             later = [e["epoch"] for e in raw[kill.lines :]]
             assert not later or min(later) > (kill.registered or 0), (kill, later)
-        # The same final numbers as the uninterrupted run.
-        ours, theirs = result.history[-1], baseline.history[-1]
-        for name in ("train_loss", "val_loss"):
-            assert ours[name] == pytest.approx(theirs[name], rel=1e-5), (name, number)
-        for name in ("train_accuracy", "val_accuracy"):
-            assert ours[name] == theirs[name], (name, number)
-        assert ours["lr"] == pytest.approx(theirs["lr"], rel=1e-9)
+        # The uninterrupted run's numbers, epoch for epoch: the loss curve continues from each
+        # checkpoint with its optimizer state (AdamW moments), and the lr of the cosine schedule
+        # (recomputed from the epoch, not restored) is where it would have been.
+        for ours, theirs in zip(result.history, baseline.history, strict=True):
+            for name in ("train_loss", "val_loss"):
+                assert ours[name] == pytest.approx(theirs[name], rel=1e-5), (name, ours["epoch"])
+            for name in ("train_accuracy", "val_accuracy"):
+                assert ours[name] == theirs[name], (name, ours["epoch"])
+            assert ours["lr"] == pytest.approx(theirs["lr"], rel=1e-9), ours["epoch"]
+        # A rank 0 killed mid-write leaves its staging dir behind (SIGKILL runs no cleanup);
+        # the worker group that replaces it removes them.
+        staging = f"relay-ckpt-{Path(result.run_dir).name}-*"
+        assert not glob.glob(os.path.join(tempfile.gettempdir(), staging))
 
-    # A worker killed mid-write leaves its temp checkpoint dir behind (SIGKILL runs no
-    # cleanup): remove those our kills orphaned — every run of ours has ended by now.
-    pattern = os.path.join(tempfile.gettempdir(), "relay-ckpt-*")
-    for path in glob.glob(pattern):
-        if _ctime(path) >= started:
-            shutil.rmtree(path, ignore_errors=True)
     kills = [k for _, ks, _, _ in tallies for k in ks]
     retrained = [r["retrained"] for _, _, rs, _ in tallies for r in rs]
     phases = Counter(k.phase for k in kills)
