@@ -408,6 +408,32 @@ class AshaConfig(_Section):
     )
 
 
+SearchAlgorithm = Literal["random", "grid", "tpe", "pbt"]
+
+
+class PbtConfig(_Section):
+    """Population Based Training (`search_alg: pbt`): every `interval` epochs the weaker
+    trials copy a stronger trial's checkpoint (weights and optimizer) and perturb its
+    hyperparameters (the `search` fields)."""
+
+    interval: int = Field(
+        2, ge=1, description="Epochs between exploit/explore steps (PBT's perturbation interval)."
+    )
+    quantile_fraction: float = Field(
+        0.25,
+        gt=0,
+        le=0.5,
+        description="The bottom fraction of trials copies from the top fraction.",
+    )
+    resample_probability: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="Chance that an explored field is drawn afresh from its search "
+        "distribution instead of perturbed (multiplied by 0.8 or 1.2).",
+    )
+
+
 class SweepConfig(BaseModel):
     # No validate_assignment here: the validator below fills fields in, and re-validating the
     # whole sweep on each of those assignments would run the validator again.
@@ -429,7 +455,14 @@ class SweepConfig(BaseModel):
     )
     metric: str | None = Field(None, description="Metric to optimise; null: the task's metric.")
     mode: Literal["min", "max"] | None = Field(None, description="null: the task's mode.")
+    search_alg: SearchAlgorithm = Field(
+        "random",
+        description="How trial configs are chosen: random (and grid) draws, tpe (Optuna's "
+        "Tree-structured Parzen Estimator, learning from finished trials; with ASHA), or pbt "
+        "(Population Based Training; replaces ASHA).",
+    )
     asha: AshaConfig = Field(default_factory=AshaConfig, description="ASHA early stopping.")
+    pbt: PbtConfig = Field(default_factory=PbtConfig, description="Used when search_alg is pbt.")
     workers_per_trial: int | None = Field(
         None, ge=1, description="DDP workers of each trial; null: train.scaling.num_workers."
     )
