@@ -138,6 +138,19 @@ def serve_load(f: dict[str, Any]) -> str:
     )
 
 
+def startup(f: dict[str, Any]) -> str:
+    relay, saved = f["sides"]["relay"], f["saved_s"]["ray_defaults"]
+    return (
+        f"per-trial start-up (in Tune, relay's `fit()` → first step) "
+        f"**{seconds(f['trial_startup_s'])}** ({seconds(relay['trial']['total_s']['min'])}–"
+        f"{seconds(relay['trial']['total_s']['max'])}), a `relay train` run "
+        f"{seconds(f['run_startup_s'])}, next to the bare `TorchTrainer` floor "
+        f"{seconds(f['floor_s'])} (`fit()` → its loop's first line); {f['workers']} workers, "
+        f"medians of {f['repeats']} alternated repeats; relay's switches save (Ray's defaults "
+        f"minus relay's) {saved['run']:+.1f} s per run, {saved['trial']:+.1f} s per trial"
+    )
+
+
 TABLE = {
     "train_overhead": (
         "2-worker relay `TorchTrainer` vs plain `torchrun`, the same epoch code (relay.epochs)",
@@ -146,6 +159,10 @@ TABLE = {
     "scaling": ("1 → 2 workers, relay and plain torchrun side by side", scaling),
     "strategies": ("ddp / zero1 / fsdp × fp32 / bf16 on 2 workers", strategies),
     "asha_vs_random": ("ASHA vs no stopping over the same random trials", asha_vs_random),
+    "startup": (
+        "per-run start-up: a Tune trial and a run vs a bare TorchTrainer; switches vs Ray's",
+        startup,
+    ),
     "serve_load": ("relay Serve vs a plain FastAPI server, same model", serve_load),
 }
 
@@ -180,6 +197,73 @@ def sample(name: str, keep: Callable[[list[str]], list[str]]) -> Callable[[dict]
     return render
 
 
+def search_algorithms(results: dict[str, dict[str, Any]]) -> str:
+    """Random vs TPE vs PBT on one budget: best val loss, wall time, epochs, per arm."""
+    e = results["search_algorithms"]
+    f = e["figures"]
+    lines = [
+        f"{f['trials']} trials x {f['epochs']} epochs of {f['task']}/{f['size']} per sweep "
+        f"(budget {f['budget_epochs']} epochs; PBT every {f['pbt_interval']} epochs), "
+        f"seeds {', '.join(map(str, f['seeds']))}; median (min–max) over the seeds. "
+        f"Run: `{e['command']}`, {(e['commit'] or '?')[:8]}{'+' if e['dirty'] else ''}, "
+        f"{e['date'][:10]}.",
+        "",
+        f"| search | best {f['metric']} | vs random | wall | epochs trained |",
+        "|---|---|---|---|---|",
+    ]
+    for arm in f["arms"]:
+        best = [s["best"] for s in f["sweeps"] if s["arm"] == arm]
+        walls = [s["wall_s"] for s in f["sweeps"] if s["arm"] == arm]
+        epochs = [s["epochs_trained"] for s in f["sweeps"] if s["arm"] == arm]
+        versus = f["best_vs_random"].get(arm)
+        lines.append(
+            f"| {arm} | {spread(best, lambda v: f'{v:.4f}')} | "
+            f"{ratio(versus) if versus is not None else '—'} | {spread(walls, seconds)} | "
+            f"{spread(epochs, lambda v: f'{v:g}')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# bench/startup.py's parts, one row each: (label, key in each run's figures).
+STARTUP_ROWS = (
+    ("relay's work before `TorchTrainer.fit()` (config, task data)", "prepare_s"),
+    ("controller actor up", "controller_s"),
+    ("worker group: placement group, worker actors, process group", "worker_group_s"),
+    ("worker group ready → the loop's first line", "launch_s"),
+    ("model and data", "model_and_data_s"),
+    ("first step", "first_step_s"),
+    ("**`fit()` → first step** (bare TorchTrainer: → its loop's first line)", "total_s"),
+)
+
+
+def startup_block(results: dict[str, dict[str, Any]]) -> str:
+    """bench/startup.py's parts: the bare floor, a run and a Tune trial; switches on vs off."""
+    e = results["startup"]
+    f = e["figures"]
+
+    def part(side: str, run: str, key: str) -> str:
+        s = f["sides"][side][run].get(key)
+        if s is None:
+            return "—"
+        return f"{seconds(s['median'])} ({s['min']:.1f}–{s['max']:.1f})"
+
+    lines = [
+        f"Median (min–max) of {f['repeats']} alternated repeats, {f['workers']} workers, "
+        f"{f['task']} ({f['size']}), each side on its own fresh cluster after a warm-up run. "
+        f"Run: `{e['command']}`, {(e['commit'] or '?')[:8]}{'+' if e['dirty'] else ''}, "
+        f"{e['date'][:10]}.",
+        "",
+        "| part | bare TorchTrainer | relay run | relay trial (Tune) | trial, Ray's defaults |",
+        "|---|---|---|---|---|",
+    ]
+    for label, key in STARTUP_ROWS:
+        lines.append(
+            f"| {label} | {part('ray_defaults', 'floor', key)} | {part('relay', 'run', key)} | "
+            f"{part('relay', 'trial', key)} | {part('ray_defaults', 'trial', key)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _train_lines(lines: list[str]) -> list[str]:
     """The run line, the first and last epochs, the model line."""
     epochs = [i for i, line in enumerate(lines) if line.startswith("epoch ")]
@@ -199,6 +283,8 @@ BLOCKS: dict[str, Callable[[dict[str, dict[str, Any]]], str]] = {
     "sample_train": sample("sample_train", _train_lines),
     "sample_report": sample("sample_report", _report_lines),
     "sample_plan": sample("sample_plan", lambda lines: lines),
+    "startup": startup_block,
+    "search_algorithms": search_algorithms,
 }
 
 

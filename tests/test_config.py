@@ -152,3 +152,71 @@ def test_config_reference_in_readme_is_current():
 
     readme = (REPO / "README.md").read_text()
     assert config_reference() in readme, "README's config reference is stale: run `relay reference`"
+
+
+def test_search_alg_takes_only_the_fields_it_can_use():
+    """grid enumerates (every field a grid or choice), tpe samples (no grid); each refusal
+    names the field. A grid sweep runs each combination once unless num_samples is given."""
+    lr_grid = "search={optim.lr: {grid: [0.1, 0.01]}, batch_size: {choice: [32, 64]}}"
+    for overrides, message in [
+        (["search_alg=grid"], "search.optim.lr: search_alg grid tries every combination, and "
+         "loguniform cannot be enumerated"),
+        (["search_alg=tpe", lr_grid], "search.optim.lr: search_alg tpe samples every field and "
+         "cannot run a grid"),
+        (["search_alg=annealing"], "search_alg:"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError) as info:
+            config.load_sweep(SWEEP, overrides)
+        assert str(info.value).startswith(message), str(info.value)
+    assert config.load_sweep(SWEEP, ["search_alg=tpe"]).search_alg == "tpe"
+    assert config.load_sweep(SWEEP, ["search_alg=grid", lr_grid]).num_samples == 8  # the file's
+    spec = config.load_sweep(SWEEP, ["search_alg=grid", lr_grid]).model_dump(mode="json")
+    del spec["num_samples"]
+    assert config.sweep_from_dict(spec).num_samples == 1
+
+
+def test_tpe_without_optuna_fails_with_the_install_line(tmp_path):
+    """Where Optuna is not installed (a plain `pip install relay`), `search_alg: tpe` is refused
+    at validation — a new sweep before Ray is imported, a resumed one before Ray starts —
+    with one line naming search_alg and the extra to install; exit 2."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    from support import subprocess_env
+
+    sweep_id = "tpe-sweep"
+    storage = tmp_path / "storage"
+    (storage / "sweeps" / sweep_id).mkdir(parents=True)
+    saved = config.load_sweep(SWEEP, ["search_alg=tpe"])  # saved where Optuna was installed
+    (storage / "sweeps" / sweep_id / "sweep.json").write_text(saved.model_dump_json())
+    probe = textwrap.dedent(
+        """
+        import contextlib, io, json, sys
+        sys.modules["optuna"] = None  # what `import optuna` meets where it is not installed
+        from relay.cli import main
+        results = []
+        for argv in json.loads(sys.argv[1]):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                code = main(argv)
+            results.append({"code": code, "stderr": err.getvalue(), "ray": "ray" in sys.modules})
+        print(json.dumps(results))
+        """
+    )
+    cases = [
+        ["tune", str(SWEEP), "--set", "search_alg=tpe"],
+        ["tune", "--resume", sweep_id, "--storage", str(storage)],
+    ]
+    out = subprocess.run(
+        [sys.executable, "-c", probe, json.dumps(cases)],
+        env=subprocess_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    new, resumed = json.loads(out.stdout.strip().splitlines()[-1])
+    line = "search_alg: tpe needs Optuna, which is not installed: pip install 'relay[optuna]'"
+    for result in (new, resumed):
+        assert result["code"] == 2, result
+        assert line in result["stderr"] and "Traceback" not in result["stderr"], result
+    assert new["ray"] is False

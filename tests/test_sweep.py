@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import signal
 import subprocess
@@ -12,7 +14,8 @@ import pytest
 import yaml
 from support import BIN, REPO, stop_session, subprocess_env
 
-from relay import checkpoint, registry, sweep
+from relay import checkpoint, history, registry, sweep
+from relay.cli import main as relay_main
 from relay.config import ConfigError, SweepConfig, load_sweep, sweep_from_dict
 
 pytestmark = pytest.mark.timeout(480)
@@ -49,6 +52,20 @@ def sweep_config(storage: Path, epochs: int = 4, **fields) -> SweepConfig:
     )
 
 
+def relay_out(*argv: str) -> str:
+    """What `relay ARGV` prints, run in this process (`relay sweeps` reads files only)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert relay_main(list(argv)) == 0
+    return out.getvalue()
+
+
+def relay_json(*argv: str):
+    # Ray's log monitor may print to this process's stdout meanwhile: take the JSON line.
+    lines = relay_out(*argv, "--json").splitlines()
+    return json.loads([line for line in lines if line.startswith(("{", "["))][-1])
+
+
 def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
     cfg = sweep_config(storage)
     result = sweep.run(cfg, out=None)
@@ -71,6 +88,39 @@ def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
     assert result.model == resolved.reference
     assert str(resolved.checkpoint) == best["checkpoint"]
     assert json.loads((Path(result.sweep_dir) / "result.json").read_text())["model"] == result.model
+
+    # `relay sweeps` lists it; `relay sweeps show` gives every trial.
+    (listed,) = relay_json("sweeps", "--storage", str(storage))
+    assert (listed["sweep"], listed["status"], listed["model"]) == (
+        result.sweep, "finished", result.model
+    )  # fmt: skip
+    shown = relay_json("sweeps", "show", result.sweep, "--storage", str(storage))
+    # Ray's own ASHA places its rungs where the record says they are.
+    from ray.tune.schedulers import ASHAScheduler
+
+    asha = ASHAScheduler(
+        time_attr="epoch", max_t=cfg.asha.max_t, grace_period=cfg.asha.grace_period,
+        reduction_factor=cfg.asha.reduction_factor,
+    )  # fmt: skip
+    assert shown["asha_rungs"] == sorted(m for m, _ in asha._brackets[0]._rungs)
+    trials = {t["trial_id"]: t for t in shown["trials"]}
+    assert set(trials) == {t["trial_id"] for t in result.trials}
+    for expected in result.trials:
+        seen = trials[expected["trial_id"]]
+        assert seen["config"] == expected["config"] and seen["status"] == expected["status"]
+        epochs = history.read(storage / "runs" / expected["run_id"])  # what the run trained
+        assert seen["epochs_trained"] == epochs[-1]["epoch"] >= seen["epochs_run"]
+        if seen["status"] == "stopped":  # ASHA stops a trial only where it compares: at a rung
+            assert seen["rungs_reached"][-1] == seen["epochs_run"]
+        else:  # a completed trial's final metrics: its last epoch's, as the run recorded it
+            assert seen["metrics"][cfg.metric] == epochs[-1][cfg.metric]
+    table = relay_out("sweeps", "show", result.sweep[:12], "--storage", str(storage))
+    for expected in result.trials:
+        (row,) = [line for line in table.splitlines() if line.startswith(expected["trial_id"])]
+        assert {"completed": "completed", "stopped": "stopped early"}[expected["status"]] in row
+        lr = {3e-3: "0.003", 1e-2: "0.01", 1e-5: "1e-05", 1e-6: "1e-06"}
+        assert f"optim.lr={lr[expected['config']['optim.lr']]}" in row
+    assert f"model: {result.model}" in table
 
 
 def test_placement_groups_of_dead_actors_are_released(ray_cluster):
@@ -171,6 +221,17 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path, storag
     before = _finished_trials(storage)
     assert len(before) < 3, "the sweep finished before it was interrupted"
 
+    # Killed, the sweep has no result: `relay sweeps show` builds it from its trials' runs.
+    shown = relay_json("sweeps", "show", sweep_dir.name, "--storage", str(storage))
+    assert shown["status"] == "incomplete"
+    assert shown["resume"] == f"relay tune --resume {sweep_dir.name} --storage {storage}"
+    trials = {t["run_id"]: t for t in shown["trials"]}
+    recorded = {r["run_id"] for r in registry.list_runs(storage) if r.get("sweep")}
+    assert {r for r, t in trials.items() if t["status"] != "pending"} == recorded
+    for run_id in before:
+        assert (trials[run_id]["status"], trials[run_id]["epochs_run"]) == ("completed", 2)
+    assert all(t["config"]["optim.lr"] in (3e-3, 1e-2, 3e-2) for t in trials.values())
+
     resumed = subprocess.run(
         [str(BIN / "relay"), "tune", "--resume", sweep_dir.name, "--storage", str(storage),
          "--json"],
@@ -185,3 +246,6 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path, storag
         assert after[run_id] == finished_at, f"{run_id} was trained again"
     assert len(after) == 3
     assert result["model"].startswith("digits:")
+    shown = relay_json("sweeps", "show", sweep_dir.name, "--storage", str(storage))
+    assert shown["status"] == "finished" and shown["counts"] == {"completed": 3}
+    assert sorted(t["config"]["optim.lr"] for t in shown["trials"]) == [3e-3, 1e-2, 3e-2]

@@ -1,4 +1,4 @@
-"""`relay train|tune|plan|runs|config` — thin: parse, validate, call the API, print.
+"""`relay train|tune|plan|runs|sweeps|config` — thin: parse, validate, call the API, print.
 
 Exit codes: 0 success, 1 the run failed, 2 bad usage or an invalid config (found before any
 cluster work: Ray is not even imported until the config is valid).
@@ -96,6 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
     runs.add_argument("--json", action="store_true", help="print JSON")
 
+    sweeps = sub.add_parser(
+        "sweeps",
+        help="list sweeps (newest first), or show one: its trials, their configs, epochs, "
+        "ASHA rungs, status and final metrics",
+    )
+    sweeps.add_argument("action", nargs="?", choices=["show"], help="show one sweep")
+    sweeps.add_argument("sweep_id", nargs="?", help="sweep id (or a unique prefix) for `show`")
+    sweeps.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
+    sweeps.add_argument("--json", action="store_true", help="print JSON")
+
     serving.add_parser(sub)
     return parser
 
@@ -167,6 +177,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
     try:
         result = sweep.run(cfg, verbose=args.verbose, resume=args.resume, storage=storage)
+    except config_mod.ConfigError:
+        raise  # exit 2, naming the field (e.g. a PBT population the cluster cannot hold)
     except Exception as exc:
         return _fail(f"sweep failed: {exc}", EXIT_FAILED)
     if args.json:
@@ -269,6 +281,39 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sweeps(args: argparse.Namespace) -> int:
+    # Files only: listing a sweep never imports Ray, let alone starts it.
+    from relay import sweep_records
+
+    storage = config_mod.resolve_storage(args.storage)
+    if args.action == "show":
+        if not args.sweep_id:
+            return _fail("sweeps show needs a SWEEP_ID", EXIT_USAGE)
+        try:
+            view = sweep_records.read_sweep(
+                storage, sweep_records.find_sweep_id(storage, args.sweep_id)
+            )
+        except KeyError as exc:
+            return _fail(str(exc.args[0]), EXIT_USAGE)
+        except sweep_records.SweepRecordError as exc:
+            return _fail(str(exc), EXIT_FAILED)
+        print(json.dumps(view, default=str) if args.json else sweep_records.render_sweep(view))
+        return 0
+    views = sweep_records.list_sweeps(storage)
+    if args.json:
+        print(json.dumps(views, default=str))
+    elif not views:
+        print(f"no sweeps under {sweep_records.sweeps_root(storage)}")
+    else:
+        for view in views:
+            print(sweep_records.sweep_line(view))
+    # The others are listed all the same; a sweep whose files cannot be read is an error.
+    for view in views:
+        if "error" in view:
+            _fail(view["error"], EXIT_FAILED)
+    return EXIT_FAILED if any("error" in view for view in views) else 0
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     from relay import registry
 
@@ -317,6 +362,7 @@ COMMANDS = {
     "config": _cmd_config,
     "plan": _cmd_plan,
     "runs": _cmd_runs,
+    "sweeps": _cmd_sweeps,
     "reference": _cmd_reference,
     "models": _cmd_models,
     "serve": serving.cmd_serve,

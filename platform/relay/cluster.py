@@ -19,6 +19,66 @@ from relay import background
 # is propagated to the controller by Ray Train itself.
 REPORT_POLL_INTERVAL_S = "0.1"
 
+# Ray lowers every worker process it starts to niceness 15 (RAY_worker_niceness) so that its
+# daemons win any contest for a core. Train workers are such processes: on a node whose cores
+# the workers fill, each wake-up of raylet, the GCS, the dashboard, the driver (or any other
+# program) then preempts a training worker at once, and a data-parallel step waits for its
+# slowest rank. At 0 the workers share cores with the daemons on equal terms, like any program.
+# Read by each worker process at start-up from the environment the raylet hands down, so it
+# takes effect on a cluster started here; a `ray start` cluster sets it in its own environment.
+WORKER_NICENESS = "0"
+
+
+# What a relay run does not use, switched off (`connect` sets each unless the environment
+# already does: a user's own value wins). Each costs start-up or background CPU on every
+# Train run; none is what fault tolerance rests on — health checks, failure handling and the
+# worker group's restart, checkpoint bookkeeping, the placement-group cleaner stay as Ray has
+# them. Read from Ray 2.60's source (ray/train/v2/_internal/...); what each costs is measured by
+# bench/startup.py.
+RUN_SWITCHES = {
+    # PreemptionCallback (callbacks/preemption_callback.py) starts a PreemptionWatcher actor —
+    # one more process — for every worker group, polling the GCS for draining nodes every 5 s,
+    # so that a loop calling `ray.train.get_preemption_info()` can checkpoint early. relay's loop
+    # does not; a worker killed by a preemption is still charged to the preemption budget, not
+    # `max_failures` (failure_handling/default.py), and restarted from the last checkpoint.
+    # Read by the controller.
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    # Controller and worker metrics callbacks (callbacks/metrics.py): Prometheus gauges for
+    # the Ray dashboard's Train graphs. relay records its own. Read by the caller of fit().
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+    # JSON log files per controller and worker under the session's logs/train/
+    # (logging/logging.py), for the dashboard's Train log view; Ray's own worker logs stay.
+    # Read by the controller / the workers.
+    "RAY_TRAIN_ENABLE_CONTROLLER_STRUCTURED_LOGGING": "0",
+    "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "0",
+    # Goes with the line above: Train turns `print` on its workers into a root-logger INFO
+    # record (logging/patch_print.py), which only the structured logging's root handler shows;
+    # without both, a task's print() would vanish. Off, print() writes to the worker's stdout
+    # as in plain Python (Ray's worker log; the console with `verbose`). Read by the workers.
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    # Train's WorkingDirectorySetupCallback (callbacks/working_dir_setup.py) creates a working
+    # directory per run and moves every worker into it; Tune moves each trial actor into its
+    # trial directory (tune/trainable/trainable.py). relay's paths are absolute. Read by the
+    # caller of fit() (a Tune trial actor in a sweep) and by Tune.
+    "RAY_CHDIR_TO_TRIAL_DIR": "0",
+}
+# Where they must be: Ray Train itself hands the PREEMPTION_WATCHER, *_STRUCTURED_LOGGING and
+# PRINT_PATCH switches from the caller of fit() to the controller and workers
+# (ENV_VARS_TO_PROPAGATE); METRICS_ENABLED and CHDIR_TO_TRIAL_DIR are read where fit() or Tune
+# runs. A sweep's trial actors call fit(), so every switch must be in the environment of the
+# cluster's worker processes: inherited from this process by a cluster started here, through
+# the job's runtime_env otherwise (connect passes them).
+
+
+def _apply_run_switches() -> dict[str, str]:
+    """Set each RUN_SWITCHES entry the environment lacks; returns those set here."""
+    applied = {}
+    for key, value in RUN_SWITCHES.items():
+        if key not in os.environ:
+            os.environ[key] = value
+            applied[key] = value
+    return applied
+
 
 def _local_runtime_env() -> dict:
     # Workers of an embedded cluster import user tasks ("module:Class") from where the user is,
@@ -37,6 +97,7 @@ def connect(
     which they inherit from the cluster, so it only takes effect on a cluster started here.
     """
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", REPORT_POLL_INTERVAL_S)
+    switches = _apply_run_switches()
     if direct_ingress:
         os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     if ray.is_initialized():
@@ -46,8 +107,14 @@ def connect(
         "logging_level": logging.INFO if verbose else logging.ERROR,
     }
     if os.environ.get("RAY_ADDRESS", "local") == "local":
+        os.environ.setdefault("RAY_worker_niceness", WORKER_NICENESS)
         options["runtime_env"] = _local_runtime_env()
         options["num_cpus"] = num_cpus
+    elif switches:
+        # An existing cluster's processes do not inherit this environment: the switches go
+        # in the job's runtime_env, which Ray merges with a `ray job submit` one (only keys
+        # this process lacked, so none that job sets: no conflict).
+        options["runtime_env"] = {"env_vars": switches}
     ray.init(**options)
 
 

@@ -7,6 +7,7 @@ module, code receives a `RunConfig`; it becomes a plain dict only at the Ray bou
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -430,8 +431,22 @@ class PbtConfig(_Section):
         ge=0,
         le=1,
         description="Chance that an explored field is drawn afresh from its search "
-        "distribution instead of perturbed (multiplied by 0.8 or 1.2).",
+        "distribution instead of perturbed (a number multiplied by 0.8 or 1.2, a choice moved "
+        "to a neighbouring value); perturbed numbers stay within their search bounds.",
     )
+    synch: bool = Field(
+        True,
+        description="true: the population waits at every interval until all its trials "
+        "reached it, so each exploit compares the whole population (each trial's Train run "
+        "restarts there: a start-up per trial per interval); false: each trial decides when "
+        "it arrives, against the scores the others last reported (no waiting, no restart of "
+        "a continuing trial, but early arrivals have few trials to compare with).",
+    )
+
+
+# Fields a PBT exploit cannot change: the donor's checkpoint must fit the trial's model and
+# optimizer, and every trial runs the sweep's whole length (`train.epochs`).
+PBT_FIXED_FIELDS = ("task", "size", "model", "epochs", "optim.name")
 
 
 class SweepConfig(BaseModel):
@@ -497,6 +512,82 @@ class SweepConfig(BaseModel):
                     trial_config(base, {key: value})
                 except ConfigError as exc:
                     raise ValueError(f"search.{key}: {value!r} does not fit: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _fit_search_alg(self) -> SweepConfig:
+        """Each search algorithm takes only the dimensions it can use: grid enumerates, so
+        every field must be a list (grid or choice); TPE samples, so no field may be a grid."""
+        if self.search_alg == "grid":
+            for key, dimension in self.search.items():
+                if dimension.kind not in ("grid", "choice"):
+                    raise ValueError(
+                        f"search.{key}: search_alg grid tries every combination, and "
+                        f"{dimension.kind} cannot be enumerated: give grid: [...] or choice: [...]"
+                    )
+            # Each combination once unless asked: repeats of a grid rerun identical configs.
+            if "num_samples" not in self.model_fields_set:
+                self.num_samples = 1
+        elif self.search_alg == "tpe":
+            for key, dimension in self.search.items():
+                if dimension.kind == "grid":
+                    raise ValueError(
+                        f"search.{key}: search_alg tpe samples every field and cannot run a "
+                        "grid: use choice: [...] (or search_alg grid)"
+                    )
+            try:
+                import optuna  # noqa: F401  (only whether it imports matters here)
+            except ImportError:
+                raise ValueError(
+                    "search_alg: tpe needs Optuna, which is not installed: "
+                    "pip install 'relay[optuna]'"
+                ) from None
+        return self
+
+    @property
+    def population(self) -> int:
+        """Trials the sweep creates: num_samples for each combination of the grid fields."""
+        grids = [len(d.grid) for d in self.search.values() if d.grid is not None]
+        return self.num_samples * math.prod(grids)
+
+    @model_validator(mode="after")
+    def _fit_pbt(self) -> SweepConfig:
+        if self.search_alg != "pbt":
+            return self
+        for key in self.search:
+            if key in PBT_FIXED_FIELDS or key.startswith("model."):
+                raise ValueError(
+                    f"search.{key}: search_alg pbt copies checkpoints between trials, so every "
+                    "trial keeps the same task, size, model, epochs and optimizer: set it in "
+                    "train, not in search"
+                )
+        if "asha" in self.model_fields_set and self.asha.enabled:
+            raise ValueError(
+                "asha.enabled: search_alg pbt replaces ASHA (weak trials copy strong ones "
+                "instead of stopping): set asha.enabled false, or leave asha out"
+            )
+        # Left out: off, as the saved sweep.json then says (and `--resume` reads back).
+        self.asha.enabled = False
+        if self.population < 2:
+            raise ValueError("num_samples: search_alg pbt needs a population of at least 2")
+        if self.max_concurrent_trials is not None and self.max_concurrent_trials < (
+            self.population
+        ):
+            raise ValueError(
+                f"max_concurrent_trials: search_alg pbt trains its whole population at once: "
+                f"must be >= {self.population} (num_samples x grid combinations)"
+            )
+        epochs, every = self.train.epochs, self.train.checkpoint.every
+        if self.pbt.interval >= epochs:
+            raise ValueError(
+                f"pbt.interval: must be below train.epochs ({epochs}): PBT acts every interval "
+                "epochs and never at the last"
+            )
+        if self.pbt.interval % every:
+            raise ValueError(
+                f"pbt.interval: must be a multiple of train.checkpoint.every ({every}): a trial "
+                "hands over the checkpoint of the epoch it reached"
+            )
         return self
 
 

@@ -1,5 +1,12 @@
-"""Data through Ray Data: the driver turns a task's split into Ray Datasets; each worker reads
-its shard with `ray.train.get_dataset_shard` and iterates it in batches.
+"""The Ray Data ingest (relay/ingest.py chooses it, for `data.cache: false`): the driver turns
+a task's split into Ray Datasets; each worker reads its shard with `ray.train.get_dataset_shard`
+and iterates it in batches. Each dataset costs the run a SplitCoordinator actor and a streaming
+executor, which streaming (and data from files) needs; data that fits in memory goes through
+the object store instead (relay/ingest.py).
+
+A file-backed source plugs in beside `to_ray_datasets`: it builds `{"train": ..., "val": ...}`
+Datasets from its files (read tasks need CPU slots the workers leave free), and `ShardBatches`
+reads them as it reads these.
 
 Ray Train splits every dataset with `streaming_split(equal=True)`, so all ranks get the same
 number of rows and therefore the same number of batches — DDP needs every rank to run the same

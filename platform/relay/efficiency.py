@@ -13,7 +13,6 @@ start-up; and, when a 1-worker run of the same config exists, speedup and scalin
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -265,39 +264,6 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
 # --- on the driver ----------------------------------------------------------------------------
 
 
-# Where the controller stamps each worker failure it finds (see `failure_clock`).
-FAILURES = "worker_failures.jsonl"
-
-
-def failure_clock(run_dir: str | Path):
-    """A Ray Train callback, run on the controller, that appends to `<run dir>/FAILURES` the
-    time it finds failed workers: the moment a restarted worker group's start-up begins."""
-    import ray.train
-
-    path = Path(run_dir) / FAILURES
-
-    class FailureClock(ray.train.UserCallback):
-        def after_exception(self, run_context, worker_exceptions) -> None:
-            record = {"time": time.time(), "ranks": sorted(worker_exceptions)}
-            with open(path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    return FailureClock()
-
-
-def failure_times(run_dir: str | Path) -> list[float]:
-    path = Path(run_dir) / FAILURES
-    if not path.exists():
-        return []
-    times = []
-    for line in path.read_text().splitlines():
-        try:
-            times.append(float(json.loads(line)["time"]))
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut short: the controller died writing it
-    return times
-
-
 def startup(
     times: dict[str, float],
     returned: dict[str, Any],
@@ -309,8 +275,8 @@ def startup(
 
     Without a restart the group started when `fit()` was called. When a group failed during
     this `fit()` and another took over, the last group started when the controller found the
-    failure (`failed_at`, from `failure_clock`): the earlier groups' start-up and training are
-    not this group's start-up. `restarts` counts those failures; `restarted_after_s` is how far
+    failure (`failed_at`, `history.failure_times`): the earlier groups' start-up and training
+    are not this group's start-up. `restarts` counts those failures; `restarted_after_s` is how far
     into `fit()` the last began. Should a group have been replaced with no failure stamped, its
     start is bounded by the last epoch another group ended (`epochs_ended_at`) this `fit()`.
     `connect_s` and `prepare_s` are the driver's, paid once per `fit()`.

@@ -1,7 +1,10 @@
-"""A run's per-epoch metrics, appended by rank 0 to `<run dir>/history.jsonl` as they happen.
+"""What happened in a run, as it happened, in JSON lines under its run dir:
 
-The driver follows the file to print progress; `relay runs show` and the tests read it back.
-After a restart an epoch may be trained again; the last record of an epoch wins.
+- `history.jsonl`: per-epoch metrics, appended by rank 0. The driver follows the file to print
+  progress; `relay runs show` and the tests read it back. After a restart an epoch may be
+  trained again; the last record of an epoch wins.
+- `worker_failures.jsonl`: when the controller found failed workers (the moment a restarted
+  worker group's start-up begins; the efficiency report's start-up is measured off it).
 """
 
 from __future__ import annotations
@@ -12,17 +15,16 @@ from pathlib import Path
 from typing import Any
 
 FILE = "history.jsonl"
+FAILURES = "worker_failures.jsonl"
 
 
-def append(run_dir: str | Path, metrics: dict[str, Any]) -> None:
-    """Append an epoch, stamped with the wall-clock time it ended (start-up is measured off it)."""
-    with open(Path(run_dir) / FILE, "a") as f:
-        f.write(json.dumps({**metrics, "time": time.time()}) + "\n")
+def _append(path: Path, record: dict[str, Any]) -> None:
+    """Append a record stamped with the wall-clock time it was written."""
+    with open(path, "a") as f:
+        f.write(json.dumps({**record, "time": time.time()}) + "\n")
 
 
-def read_raw(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every record in order written, restarts included."""
-    path = Path(run_dir) / FILE
+def _read(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     records = []
@@ -32,6 +34,25 @@ def read_raw(run_dir: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             break  # a line cut short by a killed writer
     return records
+
+
+def append(run_dir: str | Path, metrics: dict[str, Any]) -> None:
+    """Append an epoch, stamped with the wall-clock time it ended (start-up is measured off it)."""
+    _append(Path(run_dir) / FILE, metrics)
+
+
+def read_raw(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every epoch record in order written, restarts included."""
+    return _read(Path(run_dir) / FILE)
+
+
+def append_failure(run_dir: str | Path, ranks: list[int]) -> None:
+    _append(Path(run_dir) / FAILURES, {"ranks": ranks})
+
+
+def failure_times(run_dir: str | Path) -> list[float]:
+    """When each worker failure was found, in order."""
+    return [record["time"] for record in _read(Path(run_dir) / FAILURES)]
 
 
 def read(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -1,11 +1,11 @@
 """THE train loop: `train_loop_per_worker` runs on every Ray Train worker, for `relay train`,
 for every Tune trial, and in the tests.
 
-Only Ray's part of a worker lives here: the checkpoint to resume from, the dataset shards,
-reporting each epoch and writing checkpoints. The epoch itself (optimizer, schedule, passes,
-statistics) is epochs.py, which the plain-torchrun baseline runs too; distributed concerns
-(ranks, wrapping, reductions) live in parallel.py; the problem-specific parts (model, data,
-loss, metrics) in the task.
+Only Ray's part of a worker lives here: the checkpoint to resume from, this rank's data (opened
+through the run's ingest, relay/ingest.py), reporting each epoch and writing checkpoints. The
+epoch itself (optimizer, schedule, passes, statistics) is epochs.py, which the plain-torchrun
+baseline runs too; distributed concerns (ranks, wrapping, reductions) live in parallel.py; the
+problem-specific parts (model, data, loss, metrics) in the task.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import ray.train.torch
 import torch
 from torch import nn
 
-from relay import checkpoint, efficiency, history, parallel
+from relay import checkpoint, efficiency, history, ingest, parallel
 from relay.config import RunConfig
-from relay.data import ShardBatches
 from relay.epochs import Epochs, build_scheduler, fast_forward, optimizer_spec, steps_per_epoch
 from relay.tasks import build_task
 
@@ -40,6 +39,25 @@ def _restore(model: nn.Module, ckpt: ray.train.Checkpoint | None) -> tuple[int, 
     return meta["epoch"] + 1, state
 
 
+def _start_checkpoint(loop_config: dict[str, Any]) -> ray.train.Checkpoint | None:
+    """The run's own latest checkpoint; else the one it was started from (a PBT exploit)."""
+    own = ray.train.get_checkpoint()
+    if own is not None or not loop_config.get("init_checkpoint"):
+        return own
+    return ray.train.Checkpoint.from_directory(loop_config["init_checkpoint"])
+
+
+def _config_hyperparameters_win(optimizer: torch.optim.Optimizer, cfg: RunConfig) -> None:
+    """Loaded optimizer state brings the param groups of the run that saved it: its lr, weight
+    decay, momentum. A run started from another's checkpoint under other hyperparameters (a PBT
+    exploit, a resume with a changed config) trains with its own; the schedule, built over
+    `cfg.optim.lr` and fast-forwarded after this, then sets each group's current lr."""
+    _, hyperparameters = optimizer_spec(cfg.optim)
+    for group in optimizer.param_groups:
+        group.update(hyperparameters)
+        group["initial_lr"] = cfg.optim.lr
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     """Train `loop_config["run"]` (a RunConfig as a dict) on this worker; see trainer.py."""
     loop_started_at = time.time()
@@ -53,7 +71,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
     model = task.build_model()
-    start_epoch, train_state = _restore(model, ray.train.get_checkpoint())
+    start_epoch, train_state = _restore(model, _start_checkpoint(loop_config))
     # Before any rank can checkpoint again (the engine's set-up is a collective).
     _remove_orphaned_staging(run_dir)
     engine = parallel.Engine(model, cfg.parallel, *optimizer_spec(cfg.optim))
@@ -66,12 +84,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     if train_state is not None:
         engine.load_optimizer_state(train_state.optimizer)
         engine.load_scaler_state(train_state.scaler)
+        _config_hyperparameters_win(engine.optimizer, cfg)
         # The schedule's position follows from the epoch, not from the saved step count: a run
         # resumed on another worker count (or grad_accum) has another number of steps per epoch.
         fast_forward(scheduler, (start_epoch - 1) * steps)
 
-    def batches(name: str, shuffle: bool) -> ShardBatches:
-        return ShardBatches(
+    def batches(name: str, shuffle: bool):
+        return ingest.open_batches(
+            loop_config["data"],
             name,
             batch_size=cfg.batch_size,
             dtypes=task.input_columns(),

@@ -9,6 +9,8 @@ each trial data-parallel.
     <storage>/sweeps/<sweep id>/     Tune's experiment state (what `--resume` restores) and
                                      sweep.json (the validated sweep config)
     <storage>/runs/<sweep id>-<trial id>/   each trial's Train run, as any other run
+    <storage>/runs/<sweep id>-<trial id>-p<n>/   search_alg pbt: the run a trial continues in
+                                     after its n-th copy of another trial's checkpoint (pbt.py)
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import ray.train
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler
+from ray.tune.search import ConcurrencyLimiter, SearchAlgorithm, Searcher
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from relay import cluster, registry, trainer
-from relay.config import SearchDimension, SweepConfig, trial_config
+from relay import cluster, console, ingest, pbt, registry, trainer
+from relay.config import SearchDimension, SweepConfig, sweep_from_dict, trial_config
 
 SPEC = "sweep.json"
 
@@ -38,21 +41,71 @@ def sweeps_root(storage: Path) -> Path:
     return storage / "sweeps"
 
 
-def _tune_domain(dimension: SearchDimension):
+def _tune_domain(dimension: SearchDimension, *, enumerate_choices: bool = False):
     kind = dimension.kind
     value = getattr(dimension, kind)
-    if kind == "choice":
+    if kind == "choice" and not enumerate_choices:
         return tune.choice(value)
-    if kind == "grid":
+    if kind in ("grid", "choice"):
         return tune.grid_search(value)
     return {"uniform": tune.uniform, "loguniform": tune.loguniform, "randint": tune.randint}[kind](
         *value
     )
 
 
-def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep_id: str) -> None:
+def param_space(cfg: SweepConfig) -> dict[str, Any]:
+    """Tune's param_space: the searched fields under "params" (dotted keys stay whole: Tune
+    and Optuna nest on "/" only). search_alg grid enumerates `choice` fields as grids too."""
+    grid = cfg.search_alg == "grid"
+    return {"params": {k: _tune_domain(d, enumerate_choices=grid) for k, d in cfg.search.items()}}
+
+
+def _searcher(cfg: SweepConfig) -> SearchAlgorithm | Searcher:
+    """What chooses each trial's config (`search_alg`), bounded to the trials the cluster holds
+    at once (Tune ignores TuneConfig.max_concurrent_trials beside a search_alg given here)."""
+    limit = max_concurrent_trials(cfg)
+    if cfg.search_alg == "pbt":
+        # PBT compares and copies between live trials: the whole population trains at once
+        # (run() checked that the cluster holds it).
+        limit = cfg.population
+    if cfg.search_alg == "tpe":
+        return ConcurrencyLimiter(_optuna_tpe(cfg), max_concurrent=limit)
+    # random and grid (param_space made every grid field a grid_search) are Tune's variant
+    # generator, seeded; pbt draws its starting population the same way (its scheduler then
+    # changes the configs).
+    return BasicVariantGenerator(max_concurrent=limit, random_state=cfg.seed)
+
+
+def _optuna_tpe(cfg: SweepConfig) -> Searcher:
+    """Optuna's TPE through Tune's wrapper; Tune hands it param_space, and the wrapper turns
+    each Tune domain into the matching Optuna distribution."""
+    import warnings
+
+    import optuna
+    from ray.tune.search.optuna import OptunaSearch
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # not one line per study/trial
+    # Optuna warns that list-valued choices (e.g. model.hidden) cannot go to persistent
+    # storage; relay's study lives in memory and in Tune's searcher state, which keep them.
+    warnings.filterwarnings("ignore", "Choices for a categorical distribution", UserWarning)
+    # TPE samples at random for its first n_startup_trials (Optuna's default: 10, meant for
+    # studies of hundreds); relay's sweeps are tens of trials, so it models sooner. Seeded, the
+    # same seed gives the same configs for the same finished results.
+    startup = min(10, max(2, cfg.num_samples // 4))
+    sampler = optuna.samplers.TPESampler(seed=cfg.seed, n_startup_trials=startup)
+    return OptunaSearch(sampler=sampler)
+
+
+def _trial_driver(
+    params: dict[str, Any],
+    *,
+    base: dict[str, Any],
+    sweep_id: str,
+    data: ingest.PutSplit | None = None,
+) -> None:
     """One trial: the sweep's base config with this trial's sampled values, trained by the same
-    `trainer.fit` as `relay train`. Runs inside a Tune trial actor."""
+    `trainer.fit` as `relay train`. Runs inside a Tune trial actor. `data`: the base config's
+    split, put once by the sweep (fit uses it only if this trial's config loads the same)."""
     cfg = trial_config(base, params["params"])
     trial_id = tune.get_context().get_trial_id()
     trainer.fit(
@@ -62,6 +115,7 @@ def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep_id: str
         run_id=f"{sweep_id}-{trial_id}",  # stable: a resumed sweep resumes the same Train run
         callbacks=[TuneReportCallback()],
         labels={"sweep": sweep_id, "trial_id": trial_id, "params": params["params"]},
+        data=data,
     )
 
 
@@ -110,7 +164,7 @@ class Progress(tune.Callback):
         value = result.get(self.cfg.metric)
         score = f"{self.cfg.metric} {value:.4f}" if isinstance(value, float) else ""
         epoch = f"epoch {result.get('epoch', '?')}/{self.cfg.asha.max_t}"
-        self._line(trial, f"{epoch:<11} {score:<24} {_short(trial.config['params'])}")
+        self._line(trial, f"{epoch:<11} {score:<24} {console.short_params(trial.config['params'])}")
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         epochs = (trial.last_result or {}).get("epoch", 0)
@@ -121,17 +175,18 @@ class Progress(tune.Callback):
         self._line(trial, f"failed: see {trial.error_file}")
 
 
-def _short(params: dict[str, Any]) -> str:
-    return " ".join(
-        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()
-    )
-
-
 def _tuner(cfg: SweepConfig, sweep_id: str, storage: Path, out: TextIO | None, restore: bool):
+    base = cfg.train.model_dump(mode="json")
+    # The base's split goes to the object store once, for every trial (not once each).
+    shared = ingest.put_for_trials(cfg.train, cfg.search)
+    if cfg.search_alg == "pbt":  # its driver also hands checkpoints to Tune (see pbt.py)
+        driver = tune.with_parameters(
+            pbt.trial_driver, base=base, sweep_id=sweep_id, interval=cfg.pbt.interval, data=shared
+        )
+    else:
+        driver = tune.with_parameters(_trial_driver, base=base, sweep_id=sweep_id, data=shared)
     trainable = tune.with_resources(
-        tune.with_parameters(
-            _trial_driver, base=cfg.train.model_dump(mode="json"), sweep_id=sweep_id
-        ),
+        driver,
         # The driver only waits on its TorchTrainer, which reserves the real resources. Tune
         # refuses a bare {"cpu": 0}, hence the token memory request.
         {"cpu": 0, "memory": 1 << 20},
@@ -141,8 +196,13 @@ def _tuner(cfg: SweepConfig, sweep_id: str, storage: Path, out: TextIO | None, r
         return tune.Tuner.restore(
             str(path), trainable=trainable, resume_unfinished=True, resume_errored=True
         )
+    # The scheduler decides when trials stop (ASHA) or change config (PBT); _searcher(cfg)
+    # decides what each new trial starts from. TPE runs beside ASHA: Optuna learns from every
+    # trial's last reported metric, stopped early or not.
     scheduler = None
-    if cfg.asha.enabled:
+    if cfg.search_alg == "pbt":
+        scheduler = pbt.scheduler(cfg)
+    elif cfg.asha.enabled:
         scheduler = ASHAScheduler(
             time_attr="epoch",
             max_t=cfg.asha.max_t,
@@ -151,17 +211,13 @@ def _tuner(cfg: SweepConfig, sweep_id: str, storage: Path, out: TextIO | None, r
         )
     return tune.Tuner(
         trainable,
-        param_space={"params": {k: _tune_domain(d) for k, d in cfg.search.items()}},
+        param_space=param_space(cfg),
         tune_config=tune.TuneConfig(
             metric=cfg.metric,
             mode=cfg.mode,
             scheduler=scheduler,
             num_samples=cfg.num_samples,
-            # Tune's default search (random + grid), made here to take the seed; it then
-            # bounds the concurrency itself (Tune ignores max_concurrent_trials beside it).
-            search_alg=BasicVariantGenerator(
-                max_concurrent=max_concurrent_trials(cfg), random_state=cfg.seed
-            ),
+            search_alg=_searcher(cfg),
         ),
         run_config=tune.RunConfig(
             name=sweep_id,
@@ -185,6 +241,8 @@ def run(
     sweep_id = resume or trainer.new_run_id(cfg.name)
     sweep_dir = sweeps_root(storage) / sweep_id
     cluster.connect(verbose=verbose)
+    if cfg.search_alg == "pbt":  # before anything is written: a population that cannot fit
+        pbt.check_capacity(cfg, max_concurrent_trials(cfg))
     if not verbose:
         # Tune's own reporter (a box per sweep, a table per interval) gives way to ours.
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
@@ -194,9 +252,14 @@ def run(
     if out is not None:
         verb = "resuming" if resume else "sweep"
         out.write(
-            f"{verb} {sweep_id}: {cfg.num_samples} samples of {len(cfg.search)} fields, "
+            f"{verb} {sweep_id}: search {cfg.search_alg}, {cfg.num_samples} samples of "
+            f"{len(cfg.search)} fields, "
             f"{cfg.train.scaling.describe()} per trial, "
-            f"ASHA {'on' if cfg.asha.enabled else 'off'} (max_t {cfg.asha.max_t})\n"
+            + (
+                f"PBT every {cfg.pbt.interval} epochs of {cfg.train.epochs}\n"
+                if cfg.search_alg == "pbt"
+                else f"ASHA {'on' if cfg.asha.enabled else 'off'} (max_t {cfg.asha.max_t})\n"
+            )
         )
     with cluster.reclaiming_orphans():
         grid = _tuner(cfg, sweep_id, storage, out, restore=resume is not None).fit()
@@ -207,7 +270,9 @@ def load_spec(storage: Path, sweep_id: str) -> SweepConfig:
     path = sweeps_root(storage) / sweep_id / SPEC
     if not path.exists():
         raise KeyError(f"no sweep {sweep_id!r} under {sweeps_root(storage)}")
-    return SweepConfig.model_validate_json(path.read_text())
+    # Validated as a config file is (a ConfigError, exit 2): e.g. a tpe sweep resumed where
+    # Optuna is not installed.
+    return sweep_from_dict(json.loads(path.read_text()))
 
 
 def _trial_summary(cfg: SweepConfig, sweep_id: str, result) -> dict[str, Any]:
@@ -225,11 +290,18 @@ def _trial_summary(cfg: SweepConfig, sweep_id: str, result) -> dict[str, Any]:
         "trial_id": trial_id,
         "run_id": f"{sweep_id}-{trial_id}",
         "config": result.config["params"],
+        "chosen_by": _chosen_by(cfg, metrics),
         "status": status,
         "epochs_run": epochs,
         "metrics": {k: v for k, v in metrics.items() if k in keep},
         "best_score": _best_score(cfg, result),
     }
+
+
+def _chosen_by(cfg: SweepConfig, metrics: dict[str, Any]) -> str:
+    """Which algorithm chose the trial's config: the sweep's search_alg, unless the trial
+    reported its own origin as a `chosen_by` metric (e.g. PBT's "pbt:exploit <trial id>")."""
+    return str(metrics.get("chosen_by") or cfg.search_alg)
 
 
 def _best_score(cfg: SweepConfig, result) -> float | None:
@@ -258,6 +330,8 @@ def _best_checkpoint(cfg: SweepConfig, storage: Path, run_id: str) -> tuple[str 
 
 def _summarize(cfg, sweep_id, sweep_dir, storage, grid, out) -> SweepResult:
     trials = sorted((_trial_summary(cfg, sweep_id, r) for r in grid), key=lambda t: t["trial_id"])
+    if cfg.search_alg == "pbt":  # a trial's runs: one per stretch between exploits
+        pbt.add_lineage(cfg, storage, sweep_id, trials)
     # ASHA ends a stopped trial's run from outside — mid-run, so its record says "running", or
     # "failed" when the kill reached fit() before the actor died. Tune's verdict is the truth.
     for trial in (t for t in trials if t["status"] == "stopped"):
@@ -288,18 +362,22 @@ def _summarize(cfg, sweep_id, sweep_dir, storage, grid, out) -> SweepResult:
 
 
 def _print_summary(cfg: SweepConfig, result: SweepResult, out: TextIO) -> None:
-    out.write(f"\n{'trial':<12} {'status':<10} {'epochs':>6} {cfg.metric:>14}  config\n")
+    out.write(f"\nsearch {cfg.search_alg}, {len(result.trials)} trials\n")
+    out.write(
+        f"{'trial':<12} {'status':<10} {'epochs':>6} {cfg.metric:>14}  {'chosen_by':<10} config\n"
+    )
     for t in result.trials:
         score = t["metrics"].get(cfg.metric)
         score = f"{score:.4f}" if isinstance(score, float) else "-"
         out.write(
             f"{t['trial_id']:<12} {t['status']:<10} {t['epochs_run']:>6} {score:>14}  "
-            f"{_short(t['config'])}\n"
+            f"{t['chosen_by']:<10} {console.short_params(t['config'])}\n"
         )
     if result.best:
         b = result.best
         out.write(
-            f"best: {b['trial_id']} {cfg.metric}={b['best_score']:.4f} ({_short(b['config'])})\n"
+            f"best: {b['trial_id']} {cfg.metric}={b['best_score']:.4f} "
+            f"({console.short_params(b['config'])})\n"
             f"checkpoint: {b['checkpoint']}\nmodel: {result.model}\n"
         )
     else:

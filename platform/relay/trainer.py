@@ -13,10 +13,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from relay import checkpoint, cluster, console, efficiency, history, registry
 from relay.config import ConfigError, RunConfig
+
+if TYPE_CHECKING:
+    from relay.ingest import PutSplit, RunData
 
 
 @dataclass
@@ -49,7 +52,11 @@ def _worker_cpus(cfg: RunConfig) -> float:
 
 
 def build_trainer(
-    cfg: RunConfig, run_id: str, datasets: dict, train_rows: int, callbacks: list | None = None
+    cfg: RunConfig,
+    run_id: str,
+    data: RunData,
+    callbacks: list | None = None,
+    init_checkpoint: str | None = None,
 ):
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -77,14 +84,17 @@ def build_trainer(
         "run": cfg.model_dump(mode="json"),
         "run_dir": str(runs_root / run_id),
         "cpus_per_worker": _worker_cpus(cfg),
-        "train_rows": train_rows,
+        "train_rows": data.train_rows,
+        "data": data.loop_data(),  # what each worker opens its batches from (relay.ingest)
+        # Where a run without checkpoints of its own starts (a PBT exploit: another trial's).
+        "init_checkpoint": init_checkpoint,
     }
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config,
         scaling_config=scaling,
         run_config=run_config,
-        datasets=datasets,
+        datasets=data.datasets,  # Ray Data ingest only
     )
 
 
@@ -115,6 +125,8 @@ def fit(
     run_id: str | None = None,
     callbacks: list | None = None,
     labels: dict[str, Any] | None = None,
+    init_checkpoint: str | Path | None = None,
+    data: PutSplit | None = None,
 ) -> RunResult:
     """Train `cfg` on the current Ray cluster (starting a local one if none), record the run and
     (with `register`) make its best checkpoint the next version of model `model_name`.
@@ -123,9 +135,15 @@ def fit(
     worker count, strategy, precision, epochs and batch may differ from the run's, the model
     may not (see `check_resumable`). A Tune trial passes a stable `run_id` (so a resumed sweep
     resumes the same Train run), Tune's report `callbacks`, and `labels` for its record.
+
+    `init_checkpoint` (a checkpoint directory, e.g. another PBT trial's) starts the run from
+    those weights, optimizer state and epoch, under this config's hyperparameters; the run's
+    own checkpoints, once it has any, take precedence (a restart resumes the run itself).
+
+    `data`: a split already in the object store (`ingest.put_split`, a sweep's, put once for
+    all its trials); used when it is the split this config loads, else the run loads its own.
     """
-    from relay.data import to_ray_datasets
-    from relay.tasks import build_task
+    from relay import ingest
 
     times = {"started": time.time()}
     started = times["started"]
@@ -136,12 +154,14 @@ def fit(
         # the file, not on every worker (and every retry) after a cluster start.
         if latest := checkpoint.latest_registered(registry.runs_root(cfg.storage_path()) / run_id):
             checkpoint.validate(latest[0])
+    if init_checkpoint is not None:
+        init_checkpoint = str(checkpoint.validate(init_checkpoint))
+        check_resumable(checkpoint.read_meta(init_checkpoint)["config"], cfg)
     registry.check_writable(registry.runs_root(cfg.storage_path()))
     cluster.connect(verbose=verbose)
     times["connected"] = time.time()
-    task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
-    split = task.load_data(cfg.data.val_fraction, cfg.seed)
-    train_rows = len(next(iter(split.train.values())))
+    run_data = ingest.prepare(cfg, shared=data)
+    train_rows = run_data.train_rows
     if train_rows < cfg.scaling.max_workers:
         raise ValueError(
             f"{train_rows} training samples cannot feed {cfg.scaling.max_workers} workers"
@@ -159,6 +179,7 @@ def fit(
         "started_at": datetime.fromtimestamp(started, UTC).isoformat(),
         "run_dir": str(run_dir),
         "resumes": previous.get("resumes", -1) + 1 if previous else 0,
+        **({"init_checkpoint": init_checkpoint} if init_checkpoint else {}),
         **(labels or {}),
         "config": cfg.model_dump(mode="json"),
     }
@@ -171,8 +192,8 @@ def fit(
         )
 
     # The failure clock stamps worker-group restarts: the efficiency report's start-up.
-    callbacks = [*(callbacks or []), efficiency.failure_clock(run_dir)]
-    trainer = build_trainer(cfg, run_id, to_ray_datasets(split), train_rows, callbacks)
+    callbacks = [*(callbacks or []), failure_clock(run_dir)]
+    trainer = build_trainer(cfg, run_id, run_data, callbacks, init_checkpoint)
     try:
         with console.follow(run_dir, cfg.epochs, out):
             times["fit_called"] = time.time()
@@ -219,6 +240,17 @@ def fit(
     return run
 
 
+def failure_clock(run_dir: Path):
+    """A Ray Train callback, run on the controller: records when it finds failed workers."""
+    import ray.train
+
+    class FailureClock(ray.train.UserCallback):
+        def after_exception(self, run_context, worker_exceptions) -> None:
+            history.append_failure(run_dir, sorted(worker_exceptions))
+
+    return FailureClock()
+
+
 def _record_failure(run_dir: Path, record: dict[str, Any], exc: BaseException) -> None:
     """Record the run as failed. If even that cannot be written (storage gone read-only; a
     full disk is covered by the record's reserve), say so on stderr: the record then still
@@ -261,7 +293,7 @@ def _efficiency(
     report = returned.get("efficiency")
     if report is None:  # e.g. resumed after its last epoch: nothing trained in this run
         return None
-    failed_at = efficiency.failure_times(run_dir)
+    failed_at = history.failure_times(run_dir)
     ended_at = [e["time"] for e in trained]
     report["startup"] = efficiency.startup(times, returned, failed_at, ended_at)
     run_id = run_dir.name

@@ -1,0 +1,244 @@
+"""How a run's data reaches its workers: the one place that chooses, and the object-store ingest.
+
+Two ingests, chosen by `choose` alone; both hand the loop the same thing, an object with
+`load()` (read this rank's rows now) and `epoch(n)` (this rank's batches of epoch n):
+
+- OBJECT_STORE: data the task holds in memory (`Task.load_data`) with `data.cache: true`. The
+  driver `ray.put`s the split's columns once, in row blocks, and passes the references in the
+  loop's config; each worker fetches only the blocks covering its rank's rows and keeps them as
+  tensors (`epochs.CachedBatches`, reshuffled per epoch with the seed). No Ray Dataset, so no
+  SplitCoordinator actor, streaming executor or barrier per run. A sweep puts the data once for
+  all its trials (`put_split`, passed to `trainer.fit(data=...)`).
+- RAY_DATA: `data.cache: false` streams each rank's shard from Ray Data every epoch (data.py).
+  This is also where a file-backed data source plugs in: `choose` returns RAY_DATA for it and
+  `prepare` builds its Datasets (`data.to_ray_datasets` is today's in-memory case); the loop side
+  (`data.ShardBatches`) needs no change.
+
+Rows per rank follow `streaming_split(equal=True)`'s rule, which the Ray Data ingest gets from
+Ray Train: every rank trains `rows // world` rows (the remainder is dropped), so every rank runs
+the same number of steps — DDP needs that, or the longer rank's all-reduce waits forever. Here
+rank r takes rows [r * (rows // world), (r + 1) * (rows // world)), for the world the worker
+group actually has (an elastic run may restart with fewer workers).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from relay.config import RunConfig
+from relay.epochs import CachedBatches, to_tensors
+from relay.tasks.base import Batch, Columns, Split
+
+BLOCKS = 8  # per split part: a worker on another node pulls only the blocks covering its rows
+
+# The config fields `Task.load_data` depends on (charlm reads `model.corpus_bytes`): runs whose
+# dumps agree on them load the same split, so a sweep's trials may share one put.
+DATA_FIELDS = ("task", "size", "model", "data", "seed")
+
+
+class Ingest(enum.StrEnum):
+    OBJECT_STORE = "object_store"
+    RAY_DATA = "ray_data"
+
+
+def choose(cfg: RunConfig) -> Ingest:
+    """The ingest a run uses (the only place that decides)."""
+    return Ingest.OBJECT_STORE if cfg.data.cache else Ingest.RAY_DATA
+
+
+def data_source(cfg: RunConfig) -> dict[str, Any]:
+    dump = cfg.model_dump(mode="json")
+    return {name: dump[name] for name in DATA_FIELDS}
+
+
+# --- the object store: driver side --------------------------------------------------------------
+
+
+def rank_rows(rows: int, rank: int, world: int) -> range:
+    """The rows rank `rank` of `world` trains on (see the module's docstring)."""
+    per_rank = rows // world
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+@dataclass(frozen=True)
+class PutColumns:
+    """One part of a split (train or val) in the object store: block i is a reference to the
+    columns of rows bounds[i]:bounds[i + 1]."""
+
+    bounds: tuple[int, ...]
+    blocks: tuple[ray.ObjectRef, ...]
+
+    @classmethod
+    def put(cls, columns: Columns) -> PutColumns:
+        rows = len(next(iter(columns.values())))
+        bounds = tuple(int(b) for b in np.linspace(0, rows, max(1, min(BLOCKS, rows)) + 1))
+        blocks = tuple(
+            ray.put({name: array[lo:hi] for name, array in columns.items()})
+            for lo, hi in itertools.pairwise(bounds)
+        )
+        return cls(bounds, blocks)
+
+    @property
+    def rows(self) -> int:
+        return self.bounds[-1]
+
+    def fetch(self, rows: range) -> Columns:
+        """The columns of `rows` (a contiguous range), from the blocks that cover them only."""
+        spans = [
+            (i, max(lo, rows.start), min(hi, rows.stop))
+            for i, (lo, hi) in enumerate(itertools.pairwise(self.bounds))
+            if lo < rows.stop and hi > rows.start
+        ]
+        if not spans:  # no rows for this rank: empty columns of the right dtypes and shapes
+            spans = [(0, self.bounds[0], self.bounds[0])]
+        fetched = ray.get([self.blocks[i] for i, _, _ in spans])
+        lows = [self.bounds[i] for i, _, _ in spans]
+        # np.concatenate copies, even a single part: the object store's arrays are read-only
+        # views of shared memory, and torch must own (and may write) what it wraps.
+        return {
+            name: np.concatenate(
+                [
+                    block[name][start - low : stop - low]
+                    for block, low, (_, start, stop) in zip(fetched, lows, spans, strict=True)
+                ]
+            )
+            for name in fetched[0]
+        }
+
+
+@dataclass(frozen=True)
+class PutSplit:
+    """A split's train and val parts in the object store, and the `data_source` of the config
+    it was loaded for (whoever shares it checks that a run would load the same)."""
+
+    source: dict[str, Any]
+    train: PutColumns
+    val: PutColumns
+
+    def serves(self, cfg: RunConfig) -> bool:
+        return choose(cfg) is Ingest.OBJECT_STORE and data_source(cfg) == self.source
+
+
+def load_split(cfg: RunConfig) -> Split:
+    from relay.tasks import build_task
+
+    task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
+    return task.load_data(cfg.data.val_fraction, cfg.seed)
+
+
+def put_split(cfg: RunConfig, split: Split | None = None) -> PutSplit:
+    """Load `cfg`'s split (unless given) and put its train and val parts in the object store.
+    The blocks live as long as something holds the returned references."""
+    split = split or load_split(cfg)
+    return PutSplit(data_source(cfg), PutColumns.put(split.train), PutColumns.put(split.val))
+
+
+def put_for_trials(base: RunConfig, searched: Iterable[str]) -> PutSplit | None:
+    """The split of a sweep's base config, put once for all its trials (`trainer.fit(data=)`);
+    None when no trial would use it: the base's ingest is not the object store, or the search
+    varies a field the data depends on (each trial then loads its own)."""
+    if choose(base) is not Ingest.OBJECT_STORE:
+        return None
+    if any(key.split(".")[0] in DATA_FIELDS for key in searched):
+        return None
+    return put_split(base)
+
+
+@dataclass(frozen=True)
+class RunData:
+    """What the driver hands one Train run: Datasets for `TorchTrainer(datasets=)` (Ray Data)
+    or the put split (object store), and the train rows (for the loop's steps per epoch)."""
+
+    ingest: Ingest
+    train_rows: int
+    datasets: dict | None = None
+    put: PutSplit | None = None
+
+    def loop_data(self) -> dict[str, Any]:
+        """The part of the loop's config `open_batches` reads on each worker."""
+        return {"ingest": self.ingest.value, "split": self.put}
+
+
+def prepare(cfg: RunConfig, shared: PutSplit | None = None) -> RunData:
+    """The run's data for the chosen ingest; `shared` (a sweep's put) is used when it holds
+    the split this config would load, else the run loads and puts its own."""
+    ingest = choose(cfg)
+    if ingest is Ingest.OBJECT_STORE:
+        put = shared if shared is not None and shared.serves(cfg) else put_split(cfg)
+        return RunData(ingest, put.train.rows, put=put)
+    from relay.data import to_ray_datasets
+
+    split = load_split(cfg)
+    rows = len(next(iter(split.train.values())))
+    return RunData(ingest, rows, datasets=to_ray_datasets(split))
+
+
+# --- worker side ----------------------------------------------------------------------------------
+
+
+class ObjectStoreBatches:
+    """This rank's rows of one part of a put split, held as tensors on `device`; the same
+    interface as `data.ShardBatches`."""
+
+    def __init__(
+        self,
+        part: PutColumns,
+        *,
+        batch_size: int,
+        dtypes: dict[str, torch.dtype],
+        device: torch.device,
+        shuffle: bool,
+        seed: int,
+    ) -> None:
+        self._part = part
+        self._batch_size = batch_size
+        self._dtypes = dtypes
+        self._device = device
+        self._shuffle = shuffle
+        self._seed = seed
+        self._cached: CachedBatches | None = None
+
+    def load(self) -> None:
+        if self._cached is not None:
+            return
+        context = ray.train.get_context()  # this worker group's world, not the configured one
+        rows = rank_rows(self._part.rows, context.get_world_rank(), context.get_world_size())
+        columns = self._part.fetch(rows)
+        self._cached = CachedBatches(
+            to_tensors(columns, self._dtypes, self._device),
+            batch_size=self._batch_size,
+            shuffle=self._shuffle,
+            seed=self._seed,
+        )
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        self.load()
+        yield from self._cached.epoch(epoch)
+
+
+def open_batches(
+    loop_data: dict[str, Any],
+    name: str,
+    *,
+    batch_size: int,
+    dtypes: dict[str, torch.dtype],
+    device: torch.device,
+    cache: bool,
+    shuffle: bool,
+    seed: int,
+):
+    """This worker's batches of dataset `name` ("train" or "val") through the run's ingest."""
+    options = {"batch_size": batch_size, "dtypes": dtypes, "device": device, "seed": seed}
+    if Ingest(loop_data["ingest"]) is Ingest.OBJECT_STORE:
+        return ObjectStoreBatches(getattr(loop_data["split"], name), shuffle=shuffle, **options)
+    from relay.data import ShardBatches
+
+    return ShardBatches(name, cache=cache, shuffle=shuffle, **options)

@@ -1,0 +1,334 @@
+"""Population Based Training for sweeps (`search_alg: pbt`): Tune's PopulationBasedTraining
+over relay's trial driver; every trial stays a real TorchTrainer run of the same loop.
+
+Every `pbt.interval` epochs the weaker trials take a copy of a stronger trial's checkpoint —
+weights, optimizer moments, schedule position and epoch, relay's usual format — and perturb
+its hyperparameters (the `search` fields); Tune then restarts each such trial's driver with the
+new config and that checkpoint (`tune.get_checkpoint()`).
+
+A trial's history is a chain of Train runs, one per stretch between exploits:
+
+    <storage>/runs/<sweep>-<trial>        its first stretch, from scratch
+    <storage>/runs/<sweep>-<trial>-p<n>   the n-th exploit: a fresh Train run that starts from
+                                          the donor's checkpoint (record: `init_checkpoint`,
+                                          `pbt.from_trial`, `pbt.from_epoch`); its history.jsonl
+                                          starts at the donor's epoch + 1
+
+A fresh run per exploit keeps each run's history honest (one lineage of weights per run) and
+lets `relay runs` show every stretch as the Train run it was. A trial that restarts from its
+*own* checkpoint (the population waiting at an interval, `relay tune --resume`) continues its
+current run: Train resumes it from its latest checkpoint.
+
+Train's reports reach Tune through the driver, not `TuneReportCallback`: Tune's PBT copies
+*Tune* checkpoints, and that callback forwards only metrics. At each interval epoch the driver
+reports a Tune checkpoint holding the Train checkpoint's files, and the Train run waits there
+until Tune has decided (continue, or stop for an exploit), so a stopped trial trains no
+epochs past the one it handed over beyond the one its workers had already begun.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+from ray import tune
+from ray.tune.schedulers import PopulationBasedTraining
+
+from relay import checkpoint, history, registry, trainer
+from relay.config import SweepConfig, trial_config
+
+# PBT's clock. Reported on every epoch but the last: PBT never acts on a trial's final epoch
+# (a copy made there would have nothing left to train).
+TIME_ATTR = "pbt_epoch"
+# In each Tune checkpoint: which Train run, trial and epoch its files came from.
+SOURCE = "relay_source.json"
+
+
+# --- the scheduler -----------------------------------------------------------------------------
+
+
+class _WithinBounds:
+    """PBT's explore multiplies numbers by 0.8 or 1.2 without bounds; keep each number inside
+    its search range (the range the user declared valid), integers integral."""
+
+    def __init__(self, cfg: SweepConfig) -> None:
+        self.bounds = {
+            key: (d.kind, getattr(d, d.kind))
+            for key, d in cfg.search.items()
+            if d.kind in ("uniform", "loguniform", "randint")
+        }
+
+    def __call__(self, config: dict[str, Any]) -> dict[str, Any]:
+        params = config["params"]
+        for key, (kind, (low, high)) in self.bounds.items():
+            if kind == "randint":  # [low, high)
+                params[key] = int(min(max(round(params[key]), low), high - 1))
+            else:
+                params[key] = float(min(max(params[key], low), high))
+        return config
+
+
+def mutations(cfg: SweepConfig) -> dict[str, Any]:
+    """PBT's explore space from the sweep's `search`: numbers are perturbed (or resampled from
+    their distribution), choices and grids move to a neighbouring value (or are resampled)."""
+    space: dict[str, Any] = {}
+    for key, dimension in cfg.search.items():
+        value = getattr(dimension, dimension.kind)
+        if dimension.kind in ("choice", "grid"):
+            space[key] = list(value)
+        else:
+            domain = {"uniform": tune.uniform, "loguniform": tune.loguniform}
+            space[key] = domain.get(dimension.kind, tune.randint)(*value)
+    return {"params": space}
+
+
+def scheduler(cfg: SweepConfig) -> PopulationBasedTraining:
+    # Tune advises reuse_actors with PBT; relay must not: a stopped trial's actor still holds
+    # its Train run, so each start needs a fresh actor.
+    warnings.filterwarnings("ignore", "Consider boosting PBT performance", UserWarning)
+    return PopulationBasedTraining(
+        time_attr=TIME_ATTR,
+        perturbation_interval=cfg.pbt.interval,
+        hyperparam_mutations=mutations(cfg),
+        quantile_fraction=cfg.pbt.quantile_fraction,
+        resample_probability=cfg.pbt.resample_probability,
+        custom_explore_fn=_WithinBounds(cfg),
+        synch=cfg.pbt.synch,
+        # The last epoch's report carries no TIME_ATTR on purpose (see above).
+        require_attrs=False,
+    )
+
+
+def acts_at(epoch: int, interval: int, epochs: int) -> bool:
+    """Whether PBT may exploit/explore after `epoch`: then the report carries a checkpoint."""
+    return epoch % interval == 0 and epoch < epochs
+
+
+# --- Train's reports to Tune, through the driver -----------------------------------------------
+
+
+@ray.remote(num_cpus=0)
+class _Mailbox:
+    """Carries a Train run's reports from its controller to the trial driver, one at a time;
+    a report at an interval epoch holds the controller until the driver says go on."""
+
+    def __init__(self) -> None:
+        self._items: asyncio.Queue = asyncio.Queue(maxsize=1)
+        self._go: asyncio.Queue = asyncio.Queue()
+
+    async def put(self, item: Any, hold: bool) -> None:
+        await self._items.put(item)
+        if hold:
+            await self._go.get()
+
+    async def get(self) -> Any:
+        return await self._items.get()
+
+    async def go_on(self) -> None:
+        self._go.put_nowait(True)
+
+
+class _Forward(ray.train.UserCallback):
+    """On the Train controller: each epoch's rank-0 metrics (and checkpoint path) to the
+    driver's mailbox."""
+
+    def __init__(self, mailbox, interval: int, epochs: int) -> None:
+        self.mailbox, self.interval, self.epochs = mailbox, interval, epochs
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        report = dict(metrics[0])
+        path = checkpoint.path if checkpoint else None
+        if path:
+            report["checkpoint_path"] = path  # as TuneReportCallback names it
+        hold = acts_at(report.get("epoch", 0), self.interval, self.epochs)
+        ray.get(self.mailbox.put.remote((report, path, hold), hold))
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)  # same file system: no bytes copied
+    except OSError:
+        shutil.copy2(source, target)
+
+
+@contextmanager
+def _tune_checkpoint(train_checkpoint: str, source: dict[str, Any]) -> Iterator[tune.Checkpoint]:
+    """A Tune checkpoint with the Train checkpoint's files (Tune copies it into the trial's
+    directory, where it outlives the Train run's own checkpoint rotation) and its origin."""
+    with tempfile.TemporaryDirectory(prefix="relay-pbt-") as tmp:
+        for name in (checkpoint.WEIGHTS, checkpoint.TRAIN_STATE, checkpoint.META):
+            _link_or_copy(Path(train_checkpoint) / name, Path(tmp) / name)
+        (Path(tmp) / SOURCE).write_text(json.dumps(source))
+        yield tune.Checkpoint.from_directory(tmp)
+
+
+# --- the trial driver --------------------------------------------------------------------------
+
+
+def segments(storage: Path, sweep_id: str, trial_id: str) -> list[str]:
+    """The Train runs of a trial, in order: `<sweep>-<trial>`, then `-p1`, `-p2`, ..."""
+    root, first = registry.runs_root(storage), f"{sweep_id}-{trial_id}"
+    found = [first] if (root / first).is_dir() else []
+    for n in itertools.count(1):
+        if not (root / f"{first}-p{n}").is_dir():
+            return found
+        found.append(f"{first}-p{n}")
+    return found  # unreachable; for type checkers
+
+
+def _segment(
+    storage: Path,
+    sweep_id: str,
+    trial_id: str,
+    given: tune.Checkpoint | None,
+    params: dict[str, Any] | None = None,
+) -> tuple[str, str | None, dict[str, Any]]:
+    """(run id, checkpoint it starts from, `pbt` label) for this start of the trial."""
+    runs = segments(storage, sweep_id, trial_id)
+    if given is None:  # a new trial (or one resumed before it handed over any checkpoint)
+        return f"{sweep_id}-{trial_id}", None, {}
+    source = json.loads((Path(given.path) / SOURCE).read_text())
+    if runs:
+        current = runs[-1]
+        record = registry.read(registry.runs_root(storage) / current) or {}
+        label = record.get("pbt") or {}
+        started_from_it = label.get("init_checkpoint") == given.path
+        if source["run_id"] == current or (started_from_it and record.get("params") == params):
+            # Its own checkpoint (a synchronous pause, a resumed sweep), or the exploit this
+            # run was already started from, under the same config (a sweep resumed before the
+            # run checkpointed): continue the run. The same checkpoint under a new config is a
+            # new exploit.
+            return current, label.get("init_checkpoint"), label
+    n = max(1, len(runs))
+    label = {
+        "segment": n,
+        "from_trial": source["trial_id"],
+        "from_run": source["run_id"],
+        "from_epoch": source["epoch"],
+        "init_checkpoint": given.path,
+    }
+    return f"{sweep_id}-{trial_id}-p{n}", given.path, label
+
+
+def trial_driver(
+    params: dict[str, Any], *, base: dict[str, Any], sweep_id: str, interval: int, data=None
+) -> None:
+    """One PBT trial start: fit its Train run (from the checkpoint Tune hands over, if any) in
+    a thread, and report each epoch to Tune from this one (Tune's function-trainable thread).
+    `data`: the sweep's split, put in the object store once (see sweep._trial_driver)."""
+    cfg = trial_config(base, params["params"])
+    trial_id = tune.get_context().get_trial_id()
+    storage = cfg.storage_path()
+    run_id, init, label = _segment(
+        storage, sweep_id, trial_id, tune.get_checkpoint(), params["params"]
+    )
+    mailbox = _Mailbox.remote()
+    chosen_by = f"pbt:exploit {label['from_trial']}" if label else "pbt"
+    failure: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            trainer.fit(
+                cfg,
+                out=None,
+                register=False,
+                run_id=run_id,
+                init_checkpoint=init,
+                callbacks=[_Forward(mailbox, interval, cfg.epochs)],
+                labels={
+                    "sweep": sweep_id,
+                    "trial_id": trial_id,
+                    "params": params["params"],
+                    **({"pbt": label} if label else {}),
+                },
+                data=data,
+            )
+        except BaseException as exc:  # raised again in the driver's thread, for Tune
+            failure.append(exc)
+        finally:
+            mailbox.put.remote(None, False)
+
+    thread = threading.Thread(target=fit, name="relay-pbt-fit", daemon=True)
+    thread.start()
+    while (item := ray.get(mailbox.get.remote())) is not None:
+        metrics, path, hold = item
+        epoch = metrics.get("epoch", 0)
+        if epoch < cfg.epochs:
+            metrics[TIME_ATTR] = epoch
+        metrics["chosen_by"] = chosen_by
+        if hold and path:
+            source = {"run_id": run_id, "trial_id": trial_id, "epoch": epoch}
+            with _tune_checkpoint(path, source) as tune_checkpoint:
+                tune.report(metrics, checkpoint=tune_checkpoint)
+        else:
+            tune.report(metrics)
+        if hold:  # Tune decided to continue this trial (a stop ends this thread in report)
+            mailbox.go_on.remote()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+# --- the sweep's record ------------------------------------------------------------------------
+
+
+def add_lineage(cfg: SweepConfig, storage: Path, sweep_id: str, trials: list[dict]) -> None:
+    """Give each trial summary its chain of runs (`segments`), make its last run the trial's
+    `run_id` and score the trial by that run (the run whose checkpoint would be registered),
+    and record superseded runs as stopped by PBT: they end mid-run, from outside."""
+    root = registry.runs_root(storage)
+    sign = 1 if cfg.mode == "max" else -1
+    for trial in trials:
+        runs = segments(storage, sweep_id, trial["trial_id"])
+        if not runs:
+            continue
+        chain = []
+        for run_id, successor in itertools.zip_longest(runs, runs[1:]):
+            record = registry.read(root / run_id) or {}
+            epochs = [e["epoch"] for e in history.read(root / run_id)]
+            label = record.get("pbt") or {}
+            chain.append(
+                {
+                    "run_id": run_id,
+                    "from_trial": label.get("from_trial"),
+                    "from_epoch": label.get("from_epoch"),
+                    "epochs": [min(epochs), max(epochs)] if epochs else None,
+                    "config": record.get("params"),
+                }
+            )
+            if successor and record and record.get("status") != "stopped":
+                record.pop("error", None)
+                registry.write(
+                    root / run_id,
+                    {**record, "status": "stopped", "stopped_by": "pbt", "continued_in": successor},
+                )
+        trial["run_id"], trial["segments"] = runs[-1], chain
+        scores = [e[cfg.metric] for e in history.read(root / runs[-1]) if cfg.metric in e]
+        if scores:
+            trial["best_score"] = sign * max(sign * s for s in scores)
+
+
+def check_capacity(cfg: SweepConfig, fits: int) -> None:
+    """The whole population must train at once (PBT compares and copies between live trials;
+    a trial waiting for resources would hold the others at the interval)."""
+    from relay.config import ConfigError
+
+    if fits < cfg.population:
+        raise ConfigError(
+            f"num_samples: search_alg pbt trains its population of {cfg.population} at once, and "
+            f"the cluster's free resources hold {fits} trials of "
+            f"{cfg.train.scaling.describe()}: lower num_samples, or train.scaling."
+            "resources_per_worker (e.g. {CPU: 0.5})"
+        )

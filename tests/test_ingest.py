@@ -1,0 +1,184 @@
+"""The object-store ingest (relay/ingest.py) on the shared local Ray cluster: a run's in-memory
+data reaches every rank without a Ray Data SplitCoordinator, and every rank gets its exact rows.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import ray.cloudpickle
+
+import relay
+from relay import ingest
+from relay.config import from_dict
+from relay.tasks.base import Split
+
+pytestmark = pytest.mark.timeout(300)
+
+# Ray workers cannot import this test module by name: ship its functions by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+TRAIN_ROWS, VAL_ROWS = 103, 11  # odd: a 2-worker split drops a row; blocks straddle ranks
+
+
+def _split() -> Split:
+    features = np.random.default_rng(0).normal(size=(TRAIN_ROWS + VAL_ROWS, 3)).astype("float32")
+    ids = np.arange(TRAIN_ROWS + VAL_ROWS)
+    return Split(
+        train={"row": ids[:TRAIN_ROWS], "x": features[:TRAIN_ROWS]},
+        val={"row": ids[TRAIN_ROWS:], "x": features[TRAIN_ROWS:]},
+    )
+
+
+def _rows_per_rank(config: dict) -> list[dict] | None:
+    """Opens the run's ingest as the train loop does; rank 0 returns every rank's rows."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    def opened(name: str, shuffle: bool):
+        return ingest.open_batches(
+            config["data"],
+            name,
+            batch_size=10,
+            dtypes={},
+            device=torch.device("cpu"),
+            cache=True,
+            shuffle=shuffle,
+            seed=config["seed"],
+        )
+
+    train, val = opened("train", True), opened("val", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train.load()
+        val.load()
+    mine = {
+        "epochs": {
+            epoch: [torch.cat([b[c] for b in train.epoch(epoch)]).tolist() for c in ("row", "x")]
+            for epoch in (1, 2)
+        },
+        "val": torch.cat([b["row"] for b in val.epoch(1)]).tolist(),
+        "warnings": [str(w.message) for w in caught],
+    }
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return ranks if dist.get_rank() == 0 else None
+
+
+def _fit_rows_per_rank(tmp_path, name: str, put: ingest.PutSplit) -> list[dict]:
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    run_data = ingest.RunData(ingest.Ingest.OBJECT_STORE, put.train.rows, put=put)
+    trainer = TorchTrainer(
+        _rows_per_rank,
+        train_loop_config={"data": run_data.loop_data(), "seed": 7},
+        scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=ray.train.RunConfig(name=name, storage_path=str(tmp_path)),
+    )
+    return trainer.fit().return_value
+
+
+@pytest.mark.slow
+def test_every_rank_gets_its_exact_rows_reshuffled_per_epoch(ray_cluster, tmp_path):
+    split = _split()
+    put = ingest.put_split(from_dict({"task": "digits"}), split)
+    first = _fit_rows_per_rank(tmp_path, "rows-a", put)
+    second = _fit_rows_per_rank(tmp_path, "rows-b", put)
+
+    per_rank = TRAIN_ROWS // 2
+    for rank in first:
+        assert not [w for w in rank["warnings"] if "not writable" in w], rank["warnings"]
+        for rows, x in rank["epochs"].values():
+            assert len(rows) == per_rank  # equal step counts for DDP
+            # Each row's features arrive with it (the blocks were sliced and joined right).
+            np.testing.assert_array_equal(np.array(x, dtype="float32"), split.train["x"][rows])
+        epoch_1, epoch_2 = (rank["epochs"][e][0] for e in (1, 2))
+        assert sorted(epoch_1) == sorted(epoch_2)  # the same shard every epoch...
+        assert epoch_1 != epoch_2  # ...in a new order
+    shards = [set(rank["epochs"][1][0]) for rank in first]
+    assert not shards[0] & shards[1]
+    # streaming_split(equal=True)'s share: world * (rows // world) rows, the remainder dropped.
+    assert shards[0] | shards[1] == set(range(2 * per_rank))
+    val = [rank["val"] for rank in first]
+    assert [len(v) for v in val] == [VAL_ROWS // 2] * 2 and not set(val[0]) & set(val[1])
+
+    # Another run with the same seed: the same rows, in the same order, on every rank.
+    assert [r["epochs"] for r in second] == [r["epochs"] for r in first]
+
+
+def test_one_rank_fetches_all_rows_and_any_range_across_blocks(ray_cluster):
+    split = _split()
+    put = ingest.put_split(from_dict({"task": "digits"}), split)
+    assert len(put.train.blocks) > 1  # ranges below really cross block boundaries
+
+    everything = put.train.fetch(ingest.rank_rows(TRAIN_ROWS, 0, 1))
+    for name, column in split.train.items():
+        np.testing.assert_array_equal(everything[name], column)
+        assert everything[name].flags.writeable  # a copy, not the object store's buffer
+    for start, stop in [(0, 1), (5, 40), (13, 14), (60, TRAIN_ROWS), (30, 30)]:
+        part = put.train.fetch(range(start, stop))
+        np.testing.assert_array_equal(part["row"], np.arange(start, stop))
+        assert part["x"].shape == (stop - start, 3)
+
+
+def test_a_trial_shares_the_sweeps_put_only_when_its_data_would_be_the_same(ray_cluster):
+    base = from_dict({"task": "charlm", "size": "debug"})
+    shared = ingest.put_for_trials(base, ["optim.lr"])
+    assert shared is not None
+    same_data = from_dict({**base.model_dump(mode="json"), "optim": {"lr": 0.5}})
+    assert ingest.prepare(same_data, shared=shared).put is shared
+
+    def tokens(put: ingest.PutSplit) -> np.ndarray:
+        return put.train.fetch(range(put.train.rows))["tokens"]
+
+    # Configs whose data differs from the base's (charlm reads model.corpus_bytes; the seed and
+    # val_fraction redraw the split) put their own: the base's tokens would be the wrong data.
+    for change in ({"model": {"corpus_bytes": 5000}}, {"seed": 3}, {"data": {"val_fraction": 0.3}}):
+        own = ingest.prepare(from_dict({**base.model_dump(mode="json"), **change}), shared=shared)
+        assert own.put is not shared, change
+        assert not np.array_equal(tokens(own.put), tokens(shared)), change
+    # Nothing to share: the search varies the data, or the run streams through Ray Data.
+    assert ingest.put_for_trials(base, ["seed", "optim.lr"]) is None
+    streaming = from_dict({**base.model_dump(mode="json"), "data": {"cache": False}})
+    assert ingest.put_for_trials(streaming, ["optim.lr"]) is None
+
+
+def _split_coordinators() -> set[str]:
+    from ray.util.state import list_actors
+
+    actors = list_actors(
+        filters=[("class_name", "=", "SplitCoordinator")],
+        limit=10_000,
+        raise_on_missing_output=False,
+    )
+    return {actor.actor_id for actor in actors}
+
+
+@pytest.mark.slow
+def test_in_memory_data_starts_no_split_coordinator_streaming_does(ray_cluster, relay_home):
+    def run(cache: bool) -> set[str]:
+        before = _split_coordinators()
+        cfg = from_dict(
+            {
+                "name": f"ingest-cache-{cache}",
+                "task": "digits",
+                "size": "debug",
+                "epochs": 1,
+                "batch_size": 32,
+                "data": {"cache": cache},
+                "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
+            }
+        )
+        result = relay.train(cfg, out=None, register=False)
+        assert [e["epoch"] for e in result.history] == [1]
+        assert result.replicas_in_sync is True
+        return _split_coordinators() - before
+
+    assert run(cache=True) == set()
+    # The same look-up finds the Ray Data path's coordinators (one per split dataset).
+    assert len(run(cache=False)) == 2

@@ -1,0 +1,154 @@
+"""PBT sweeps: weak trials continue from a strong trial's checkpoint (weights, optimizer,
+epoch) under perturbed hyperparameters, each stretch a real TorchTrainer run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from relay import history, registry, sweep
+from relay.config import ConfigError, SweepConfig, sweep_from_dict
+from relay.epochs import build_scheduler, fast_forward, to_tensors
+from relay.tasks import build_task
+
+EPOCHS, INTERVAL = 4, 2
+
+
+def pbt_spec(storage: Path, **fields) -> dict:
+    return {
+        "name": "pbt-test",
+        "train": {
+            "task": "digits",
+            "size": "debug",
+            "epochs": EPOCHS,
+            "batch_size": 32,
+            "storage": str(storage),
+            # The population trains at once: 4 one-worker trials in half the shared cluster,
+            # whatever earlier tests still hold.
+            "scaling": {"resources_per_worker": {"CPU": 0.5}},
+        },
+        # A spread from hopeless to good: the bottom quarter has someone to copy from.
+        "search": {"optim.lr": {"loguniform": [1e-5, 3e-2]}},
+        "search_alg": "pbt",
+        "pbt": {"interval": INTERVAL},
+        "num_samples": 4,
+        "seed": 3,
+        "metric": "val_loss",
+        "mode": "min",
+        "workers_per_trial": 1,
+        **fields,
+    }
+
+
+def untrained_val_loss(cfg: SweepConfig) -> float:
+    """The loss of a model nobody trained, measured on the sweep's own validation split."""
+    task = build_task("digits", "debug", {}, None)
+    torch.manual_seed(cfg.train.seed)
+    model = task.build_model().eval()
+    split = task.load_data(cfg.train.data.val_fraction, cfg.train.seed)
+    with torch.no_grad():
+        batch = to_tensors(split.val, task.input_columns(), torch.device("cpu"))
+        _, stats = task.loss_and_stats(model, batch)
+    return task.summarize({k: float(v) for k, v in stats.items()})["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pbt_trials_continue_from_a_better_trial_with_a_perturbed_lr(ray_cluster, tmp_path):
+    storage = tmp_path / "storage"
+    cfg = sweep_from_dict(pbt_spec(storage))
+    result = sweep.run(cfg, out=None)
+    runs = registry.runs_root(storage)
+
+    assert len(result.trials) == 4
+    assert all(t["status"] == "completed" and t["epochs_run"] == EPOCHS for t in result.trials)
+    exploited = [t for t in result.trials if len(t["segments"]) > 1]
+    assert exploited, "no trial copied another's checkpoint"
+    fresh = untrained_val_loss(cfg)
+
+    for trial in exploited:
+        assert trial["chosen_by"].startswith("pbt:exploit ")
+        earlier, later = trial["segments"][-2], trial["segments"][-1]
+        record = registry.get_run(storage, later["run_id"])
+        donor_run, from_epoch = record["pbt"]["from_run"], record["pbt"]["from_epoch"]
+        assert from_epoch == INTERVAL
+        assert record["pbt"]["from_trial"] != trial["trial_id"]
+        # The exploited stretch is a Train run of its own that starts at the donor's epoch + 1.
+        after = history.read(runs / later["run_id"])
+        assert [e["epoch"] for e in after] == list(range(from_epoch + 1, EPOCHS + 1))
+        donor = {e["epoch"]: e for e in history.read(runs / donor_run)}[from_epoch]
+        # One epoch on from the donor's weights: near the donor's loss, far from a fresh model's.
+        gap_to_donor = abs(after[0]["val_loss"] - donor["val_loss"])
+        assert gap_to_donor < 0.5 * abs(fresh - donor["val_loss"]), (after[0], donor, fresh)
+        # Under a perturbed lr, which the optimizer really used (constant schedule: lr = peak).
+        donor_lr = registry.get_run(storage, donor_run)["config"]["optim"]["lr"]
+        new_lr = record["config"]["optim"]["lr"]
+        assert new_lr == trial["config"]["optim.lr"] != donor_lr
+        assert all(math.isclose(e["lr"], new_lr) for e in after)
+        assert math.isclose(donor["lr"], donor_lr)
+        # The stretch it left ends there, recorded as PBT's doing, pointing at its successor.
+        left = registry.get_run(storage, earlier["run_id"])
+        assert left["status"] == "stopped" and left["continued_in"] == later["run_id"]
+
+    # The final best beats the starting population: the best final val loss of any trial is
+    # below the best val loss any trial had at the first interval (its first Train run).
+    at_first_interval = [
+        {e["epoch"]: e for e in history.read(runs / t["segments"][0]["run_id"])}[INTERVAL]
+        for t in result.trials
+    ]
+    best_start = min(e["val_loss"] for e in at_first_interval)
+    best_final = min(t["metrics"]["val_loss"] for t in result.trials)
+    assert best_final < best_start, (best_final, best_start)
+    assert result.best["best_score"] <= best_final
+    assert result.best["checkpoint"].startswith(str(runs / result.best["run_id"]))
+    assert result.model and result.model.startswith("digits:")
+
+
+def test_pbt_config_errors_name_the_field(tmp_path):
+    cases = {
+        "search.model.hidden": {"search": {"model.hidden": {"choice": [[32], [64]]}}},
+        "search.optim.name": {"search": {"optim.name": {"choice": ["adam", "sgd"]}}},
+        "asha.enabled": {"asha": {"grace_period": 1}},
+        "pbt.interval": {"pbt": {"interval": EPOCHS}},
+        "num_samples": {"num_samples": 1},
+        "max_concurrent_trials": {"max_concurrent_trials": 2},
+    }
+    for field, change in cases.items():
+        with pytest.raises(ConfigError) as info:
+            sweep_from_dict({**pbt_spec(tmp_path), **change})
+        assert str(info.value).startswith(f"{field}:"), (field, str(info.value))
+    spec = pbt_spec(tmp_path, train={**pbt_spec(tmp_path)["train"], "checkpoint": {"every": 3}})
+    with pytest.raises(ConfigError, match=r"^pbt.interval: must be a multiple"):
+        sweep_from_dict({**spec, "pbt": {"interval": 2}})
+    assert sweep_from_dict({**pbt_spec(tmp_path), "asha": {"enabled": False}}).search_alg == "pbt"
+    # What `relay tune --resume` reads back: the saved spec validates as it was saved.
+    saved = sweep_from_dict(pbt_spec(tmp_path)).model_dump_json()
+    assert sweep_from_dict(json.loads(saved)).model_dump_json() == saved
+
+
+def test_a_copied_optimizer_trains_with_the_new_configs_hyperparameters():
+    """torch's load_state_dict brings the saving run's lr and weight decay along; relay's loop
+    puts the trial's own back before the schedule sets the lr."""
+    from relay.config import RunConfig
+    from relay.loop import _config_hyperparameters_win
+
+    model = torch.nn.Linear(3, 2)
+    donor = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.0)
+    model(torch.ones(1, 3)).sum().backward()
+    donor.step()
+    cfg = RunConfig.model_validate(
+        {"task": "digits", "size": "debug", "optim": {"lr": 0.012, "weight_decay": 0.05}}
+    )
+    mine = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=0.05)
+    scheduler = build_scheduler(cfg.schedule, mine, steps_per_epoch=5, epochs=4)
+    mine.load_state_dict(donor.state_dict())
+    assert mine.param_groups[0]["weight_decay"] == 0.0  # the donor's, without the fix
+    _config_hyperparameters_win(mine, cfg)
+    fast_forward(scheduler, 10)
+    group = mine.param_groups[0]
+    assert (group["lr"], group["weight_decay"]) == (0.012, 0.05)
+    assert mine.state_dict()["state"][0]["step"] == 1  # the donor's moments stay
