@@ -128,6 +128,18 @@ def asha_vs_random(f: dict[str, Any]) -> str:
     )
 
 
+def overlap(f: dict[str, Any]) -> str:
+    low, high = (str(o) for o in f["compared"])
+    a, b = f["sides"][low], f["sides"][high]
+    return (
+        f"ASHA sweep wall time with `overlap: {high}` / `overlap: {low}`: `wall_ratio` "
+        f"**{ratio(f['wall_ratio'])}** ({seconds(b['wall_s_median'])} vs "
+        f"{seconds(a['wall_s_median'])}, medians of {f['repeats']} alternated repeats; "
+        f"{f['trials']} trials of at most {f['max_epochs']} epochs), epochs trained "
+        f"{b['epochs_trained_median']:g} vs {a['epochs_trained_median']:g}"
+    )
+
+
 def serve_load(f: dict[str, Any]) -> str:
     levels = f["levels"]
     return (
@@ -163,6 +175,7 @@ TABLE = {
         "per-run start-up: a Tune trial and a run vs a bare TorchTrainer; switches vs Ray's",
         startup,
     ),
+    "overlap": ("one more trial than fits, started while others train, vs none", overlap),
     "serve_load": ("relay Serve vs a plain FastAPI server, same model", serve_load),
 }
 

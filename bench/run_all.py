@@ -36,6 +36,7 @@ BENCHES: dict[str, list[str]] = {
     "asha_vs_random": ["bench/asha_vs_random.py"],
     "startup": ["bench/startup.py"],
     "search_algorithms": ["bench/search_algorithms.py"],
+    "overlap": ["bench/overlap.py"],
     "serve_load": ["bench/serve_load.py"],
     # Sample outputs the README shows: real runs of the commands it documents.
     "sample_train": ["relay", "train", "jobs/configs/digits.yaml"],

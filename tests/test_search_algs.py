@@ -1,5 +1,6 @@
 """Search algorithms (`search_alg`): random, grid and TPE choose trial configs; a killed TPE
-sweep resumes with its searcher's state.
+sweep resumes with its searcher's state, without rerunning finished trials (the one
+killed-sweep test: `relay tune --resume` and `relay sweeps show` of a killed sweep).
 
 The searchers are driven here the way Tune drives them, through relay's own `_searcher(cfg)`
 and `param_space(cfg)`, so reproducibility and enumeration are checked without training."""
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from support import BIN, stop_session, subprocess_env
-from test_sweep import _finished_trials, sweep_config
+from test_sweep import _finished_trials, relay_json, sweep_config
 
 from relay import registry, sweep
 from relay.config import SweepConfig, trial_config
@@ -168,6 +169,16 @@ def test_killed_tpe_sweep_resumes_with_its_searcher_state(tmp_path):
     assert len(before) < 3, "the sweep finished before it was interrupted"
     assert list(sweep_dir.glob("searcher-state-*.pkl")), "Tune saved no searcher state"
 
+    # Killed, the sweep has no result: `relay sweeps show` builds it from its trials' runs.
+    shown = relay_json("sweeps", "show", sweep_dir.name, "--storage", str(storage))
+    assert shown["status"] == "incomplete"
+    assert shown["resume"] == f"relay tune --resume {sweep_dir.name} --storage {storage}"
+    listed = {t["run_id"]: t for t in shown["trials"]}
+    recorded = {r["run_id"] for r in registry.list_runs(storage) if r.get("sweep")}
+    assert {r for r, t in listed.items() if t["status"] != "pending"} == recorded
+    for run_id in before:
+        assert (listed[run_id]["status"], listed[run_id]["epochs_run"]) == ("completed", 2)
+
     resumed = subprocess.run(
         [str(BIN / "relay"), "tune", "--resume", sweep_dir.name, "--storage", str(storage),
          "--json"],
@@ -187,3 +198,7 @@ def test_killed_tpe_sweep_resumes_with_its_searcher_state(tmp_path):
         assert after[run_id] == finished_at, f"{run_id} was trained again"
     assert len(after) == 3
     assert [t["config"] for t in trials] == _replay_tpe(spec, trials)
+    assert result["model"].startswith("digits:")
+    shown = relay_json("sweeps", "show", sweep_dir.name, "--storage", str(storage))
+    assert shown["status"] == "finished" and shown["counts"] == {"completed": 3}
+    assert sorted(t["run_id"] for t in shown["trials"]) == sorted(t["run_id"] for t in trials)

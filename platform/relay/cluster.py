@@ -70,6 +70,20 @@ RUN_SWITCHES = {
 # the job's runtime_env otherwise (connect passes them).
 
 
+# A sweep's trial may wait for workers as long as another trial trains (`SweepConfig.overlap`
+# starts trials the free resources cannot hold yet). At Ray's worker-group start timeout (60 s)
+# such a trial would give up its placement-group request every minute and retry it, each time
+# a controller failure. Ray still fails at once a request the cluster could never hold
+# (InsufficientClusterResourcesError). Read by the Train controller, which Ray hands it from
+# the caller of fit() (ENV_VARS_TO_PROPAGATE): the trial actor.
+TRIAL_WORKER_WAIT_S = str(24 * 3600)
+
+
+def let_trial_wait_for_workers() -> None:
+    """Called in a Tune trial actor before fit(): its worker group waits for resources."""
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", TRIAL_WORKER_WAIT_S)
+
+
 def _apply_run_switches() -> dict[str, str]:
     """Set each RUN_SWITCHES entry the environment lacks; returns those set here."""
     applied = {}
@@ -131,6 +145,17 @@ def _made_by_actor(pg) -> bool:
     return pg.creator_actor_id != b"\xff" * len(pg.creator_actor_id) and not pg.is_detached
 
 
+def _live(pg) -> bool:
+    return pg.state in (pg.PENDING, pg.PREPARED, pg.CREATED, pg.RESCHEDULING)
+
+
+def _dead(actor_id: bytes) -> bool:
+    from ray._private.state import state
+
+    info = state.actor_table(actor_id.hex())
+    return bool(info) and info.get("State") == "DEAD"
+
+
 def release_orphaned_placement_groups() -> int:
     """Remove placement groups whose creating actor is dead; returns how many.
 
@@ -141,14 +166,20 @@ def release_orphaned_placement_groups() -> int:
     API and, on a loaded machine, sometimes never does — the group's CPUs then stay reserved
     and later trials (or later runs) wait forever. A group whose creator is dead has no owner
     left, so removing it takes nothing from anyone.
+
+    The group's own `creator_actor_dead` flag is not always enough: a controller killed while
+    its group is still pending (a trial waiting for workers, `SweepConfig.overlap`) leaves a
+    group without the flag, which Ray creates as soon as CPUs free up and then keeps (seen
+    with Ray 2.60). The actor table still says the creator is DEAD, so that is asked too.
     """
     from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     released = 0
     for pg in _placement_groups():
-        live = pg.state in (pg.PENDING, pg.PREPARED, pg.CREATED, pg.RESCHEDULING)
-        if live and pg.creator_actor_dead and _made_by_actor(pg):
+        if not (_live(pg) and _made_by_actor(pg)):
+            continue
+        if pg.creator_actor_dead or _dead(pg.creator_actor_id):
             remove_placement_group(PlacementGroup(PlacementGroupID(pg.placement_group_id)))
             released += 1
     return released
@@ -165,6 +196,8 @@ def reclaiming_orphans(interval_s: float = 2.0, settle_s: float = 10.0) -> Itera
         deadline = time.monotonic() + settle_s
         while time.monotonic() < deadline:
             release_orphaned_placement_groups()
-            if not any(_made_by_actor(pg) and pg.state == pg.CREATED for pg in _placement_groups()):
+            # PENDING counts too: a dead trial's pending group would be created (and hold
+            # its CPUs) as soon as the ending trials free them.
+            if not any(_made_by_actor(pg) and _live(pg) for pg in _placement_groups()):
                 break
             time.sleep(0.5)

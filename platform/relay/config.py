@@ -482,7 +482,16 @@ class SweepConfig(BaseModel):
         None, ge=1, description="DDP workers of each trial; null: train.scaling.num_workers."
     )
     max_concurrent_trials: int | None = Field(
-        None, ge=1, description="null: as many as the cluster's free CPUs/GPUs hold at once."
+        None,
+        ge=1,
+        description="null: as many as the cluster's free CPUs/GPUs hold at once, plus `overlap`.",
+    )
+    overlap: int = Field(
+        0,
+        ge=0,
+        description="Trials started beyond what the free CPUs/GPUs hold (max_concurrent_trials "
+        "null; not pbt): each prepares its driver, controller and data while others train, and "
+        "its workers start when a running trial ends.",
     )
     model_name: str | None = Field(
         None, description="Register the best trial under this model; null: the task's name."

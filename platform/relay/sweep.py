@@ -108,6 +108,7 @@ def _trial_driver(
     split, put once by the sweep (fit uses it only if this trial's config loads the same)."""
     cfg = trial_config(base, params["params"])
     trial_id = tune.get_context().get_trial_id()
+    cluster.let_trial_wait_for_workers()
     trainer.fit(
         cfg,
         out=None,
@@ -120,10 +121,15 @@ def _trial_driver(
 
 
 def max_concurrent_trials(cfg: SweepConfig) -> int:
-    """How many trials' worker groups the cluster's free resources hold at once — never more,
-    or trials would sit in Tune waiting for workers that cannot be placed."""
+    """How many trials run at once: as many as the cluster's free resources hold worker groups
+    for, plus `cfg.overlap` trials whose worker groups wait for the running ones to end."""
     if cfg.max_concurrent_trials:
         return cfg.max_concurrent_trials
+    return trials_that_fit(cfg) + cfg.overlap
+
+
+def trials_that_fit(cfg: SweepConfig) -> int:
+    """How many trials' worker groups the cluster's free resources hold at once."""
     scaling = cfg.train.scaling
     per_worker = scaling.resources_per_worker or {
         "CPU": 1.0,
@@ -242,7 +248,7 @@ def run(
     sweep_dir = sweeps_root(storage) / sweep_id
     cluster.connect(verbose=verbose)
     if cfg.search_alg == "pbt":  # before anything is written: a population that cannot fit
-        pbt.check_capacity(cfg, max_concurrent_trials(cfg))
+        pbt.check_capacity(cfg, cfg.max_concurrent_trials or trials_that_fit(cfg))
     if not verbose:
         # Tune's own reporter (a box per sweep, a table per interval) gives way to ours.
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
