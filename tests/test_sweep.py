@@ -65,8 +65,11 @@ def relay_json(*argv: str):
 
 
 def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
-    # overlap: one trial more than fits waits for workers while the others train.
-    cfg = sweep_config(storage, overlap=1, max_concurrent_trials=None, workers_per_trial=2)
+    # overlap: one trial more than fits waits for workers while the others train (2 CPUs per
+    # 1-worker trial: 2 fit on the test cluster's 4, the third waits).
+    cfg = sweep_config(storage, overlap=1, max_concurrent_trials=None)
+    cfg.train.scaling.resources_per_worker = {"CPU": 2.0}
+    cfg.train.scaling.threads_per_worker = 1  # as with the 1 CPU a worker has elsewhere
     assert sweep.max_concurrent_trials(cfg) == sweep.trials_that_fit(cfg) + 1
     result = sweep.run(cfg, out=None)
     assert Path(result.sweep_dir).parent == storage / "sweeps"
