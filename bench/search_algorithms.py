@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from asha_vs_random import spread  # bench/ is the script's directory, so on sys.path
 
 from relay import cluster, history, registry, sweep
 from relay.config import sweep_from_dict
@@ -128,14 +129,6 @@ def run_sweep(args, storage: Path, arm: str, seed: int) -> dict:
         "epochs_trained": trained,
         "exploits": exploits,
         "metric": cfg.metric,
-    }
-
-
-def spread(key: str, values: list[float]) -> dict[str, float]:
-    return {
-        f"{key}_median": statistics.median(values),
-        f"{key}_min": min(values),
-        f"{key}_max": max(values),
     }
 
 
