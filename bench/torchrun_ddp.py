@@ -63,8 +63,8 @@ def load_config(text: str) -> RunConfig:
         _refuse(f"not valid JSON ({exc})")
     except ConfigError as exc:
         _refuse(str(exc))
-    if not cfg.data.cache:
-        _refuse("data.cache: false streams from Ray Data; the baseline has only the cache")
+    if not cfg.data.caches or cfg.data.from_files:
+        _refuse("data.cache: false and data from files stream from Ray Data; the baseline caches")
     return cfg
 
 

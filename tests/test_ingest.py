@@ -11,8 +11,9 @@ import pytest
 import ray.cloudpickle
 
 import relay
-from relay import ingest
+from relay import ingest, sources
 from relay.config import from_dict
+from relay.tasks import build_task
 from relay.tasks.base import Split
 
 pytestmark = pytest.mark.timeout(300)
@@ -182,3 +183,79 @@ def test_in_memory_data_starts_no_split_coordinator_streaming_does(ray_cluster, 
     assert run(cache=True) == set()
     # The same look-up finds the Ray Data path's coordinators (one per split dataset).
     assert len(run(cache=False)) == 2
+
+
+# --- data from files (relay/sources.py) -----------------------------------------------------------
+
+
+def _write_parquet(directory, ids: np.ndarray, files: int) -> None:
+    """Rows `ids` as `files` Parquet files: id, four scalar features f0..f3 and a target."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    directory.mkdir(parents=True)
+    features = np.random.default_rng(int(ids[0])).normal(size=(len(ids), 4))
+    for i, rows in enumerate(np.array_split(np.arange(len(ids)), files)):
+        table = {"id": ids[rows], "target": features[rows].sum(axis=1)}
+        table |= {f"f{k}": features[rows, k] for k in range(4)}
+        pq.write_table(pa.table(table), directory / f"part-{i}.parquet")
+
+
+def _file_config(tmp_path, **data) -> dict:
+    return {
+        "name": "files",
+        "task": "tests.id_task:IdTask",
+        "size": "debug",
+        "epochs": 2,
+        "batch_size": 50,
+        "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
+        "data": {
+            "format": "parquet",
+            "path": str(tmp_path / "train"),
+            "columns": {"id": "id", "x": ["f0", "f1", "f2", "f3"], "y": "target"},
+            **data,
+        },
+    }
+
+
+@pytest.mark.slow
+def test_parquet_files_stream_every_row_once_per_epoch(ray_cluster, tmp_path):
+    train_ids, val_ids = np.arange(1_200), np.arange(10_000, 10_200)
+    _write_parquet(tmp_path / "train", train_ids, files=3)
+    _write_parquet(tmp_path / "val", val_ids, files=1)
+    cfg = from_dict(_file_config(tmp_path, val=str(tmp_path / "val")))
+    assert ingest.choose(cfg) is ingest.Ingest.RAY_DATA
+
+    result = relay.train(cfg, out=None, register=False)
+
+    assert [e["epoch"] for e in result.history] == [1, 2]
+    for epoch in result.history:
+        # 1,200 rows split evenly over 2 ranks: every id exactly once (sums of id and id²).
+        assert epoch["train_count"] == len(train_ids)
+        assert epoch["train_id_sum"] == train_ids.sum()
+        assert epoch["train_id_sq_sum"] == (train_ids**2).sum()
+        assert epoch["val_id_sum"] == val_ids.sum()
+        assert epoch["val_id_sq_sum"] == (val_ids**2).sum()
+    assert result.replicas_in_sync is True
+
+
+@pytest.mark.slow
+def test_a_hash_split_of_files_is_stable_and_a_missing_column_is_named(ray_cluster, tmp_path):
+    ids = np.arange(1_000)
+    _write_parquet(tmp_path / "train", ids, files=4)
+
+    def counts(**data) -> dict[str, int]:
+        cfg = from_dict(_file_config(tmp_path, val_fraction=0.25, **data))
+        task = build_task(cfg.task, cfg.size)
+        return sources.survey(sources.datasets(cfg, task), task)
+
+    by_key, by_row = counts(split_key="id"), counts()
+    # Every row lands on exactly one side, the same side each time the files are read.
+    assert by_key == counts(split_key="id")
+    for split in (by_key, by_row):
+        assert split["train"] + split["val"] == len(ids)
+        assert 150 <= split["val"] <= 350
+
+    bad = from_dict(_file_config(tmp_path, columns={"id": "id", "x": "nope", "y": "target"}))
+    with pytest.raises(ValueError, match=r"data.columns: the files have no column 'nope'"):
+        ingest.prepare(bad)

@@ -187,19 +187,80 @@ class FailureConfig(_Section):
     )
 
 
+FileFormat = Literal["parquet", "csv", "jsonl", "text", "images"]
+
+
 class DataConfig(_Section):
+    """Where a run's samples come from: the task's own loader (`Task.load_data`, in memory),
+    or files read and preprocessed on the cluster by Ray Data (`format` + `path`)."""
+
+    format: FileFormat | None = Field(
+        None,
+        description="Read `path` as files of this format with Ray Data, streamed to the workers "
+        "(larger than memory is fine); null: the task's own data.",
+    )
     path: str | None = Field(
         None,
-        description="Files or a directory the task reads (tasks that take data, e.g. charlm); "
-        "null: the task's built-in data.",
+        description="With `format`: a file, a directory or a glob, local or any filesystem "
+        "pyarrow reads (s3://, gs://, ...). Without: files or a directory the task reads "
+        "itself (tasks that take data, e.g. charlm); null: the task's built-in data.",
+    )
+    columns: dict[str, str | list[str]] | None = Field(
+        None,
+        description="Task column ← file column(s), e.g. {y: label, x: [f0, f1, f2]} (a list "
+        "stacks scalar columns into one); null: the file's own names.",
+    )
+    val: str | None = Field(
+        None,
+        description="Validation files (same format), instead of holding out `val_fraction` "
+        "of `path`.",
+    )
+    split_key: str | None = Field(
+        None,
+        description="Files only: the column whose hash puts a row in validation (stable across "
+        "runs and workers); null: a hash of the whole row.",
     )
     val_fraction: float = Field(0.2, gt=0, lt=1, description="Share of samples held out.")
-    cache: bool = Field(
-        True,
+    cache: bool | None = Field(
+        None,
         description="Hold each worker's shard in memory after the first pass (fast epochs); "
-        "false streams it from Ray Data every epoch.",
+        "false streams it from Ray Data every epoch; null: true for the task's own data, "
+        "false for files.",
     )
     shuffle: bool = Field(True, description="Reshuffle training samples every epoch (seeded).")
+    shuffle_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="Streaming only: rows in each worker's local shuffle buffer; null: 4 "
+        "batches. Files are also read in a new seeded order every epoch.",
+    )
+    cpus: float = Field(
+        0.5,
+        gt=0,
+        description="Files only: CPUs each Ray Data read/preprocess task reserves (they run "
+        "beside the workers, on CPUs the workers leave free).",
+    )
+
+    @model_validator(mode="after")
+    def _source_fields_agree(self) -> DataConfig:
+        if self.format is not None and self.path is None:
+            raise ValueError(f"data.path: format {self.format!r} needs a path to read")
+        if self.format is None:
+            for name in ("columns", "val", "split_key"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"data.{name}: only for files; set data.format too")
+        if self.val is not None and self.split_key is not None:
+            raise ValueError("data.split_key: the split comes from data.val; give one of them")
+        return self
+
+    @property
+    def from_files(self) -> bool:
+        return self.format is not None
+
+    @property
+    def caches(self) -> bool:
+        """Whether workers keep their shard in memory (`cache`, resolved)."""
+        return (not self.from_files) if self.cache is None else self.cache
 
 
 # Names become directory names and URL path segments: letters, digits, '_', '.', '-'.
@@ -260,7 +321,7 @@ class RunConfig(_Section):
 
         task_cls = resolve_task_class(self.task)
         task_cls.check_size(self.size, self.model)
-        if self.data.path is not None and not task_cls.accepts_data_path:
+        if self.data.path is not None and not (self.data.from_files or task_cls.accepts_data_path):
             raise ValueError(f"data.path: task {self.task!r} has built-in data; leave it null")
         if self.checkpoint.metric is None:
             self.checkpoint.metric = task_cls.metric
@@ -289,7 +350,9 @@ def _error_lines(error: ValidationError) -> list[str]:
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown field"
-        lines.append(f"{where}: {message}" if where else message)
+        # A section's own validator names the full field itself ("data.path: ...").
+        named = not where or message.startswith(f"{where}.")
+        lines.append(message if named else f"{where}: {message}")
     return lines
 
 

@@ -1,12 +1,8 @@
-"""The Ray Data ingest (relay/ingest.py chooses it, for `data.cache: false`): the driver turns
-a task's split into Ray Datasets; each worker reads its shard with `ray.train.get_dataset_shard`
-and iterates it in batches. Each dataset costs the run a SplitCoordinator actor and a streaming
-executor, which streaming (and data from files) needs; data that fits in memory goes through
-the object store instead (relay/ingest.py).
-
-A file-backed source plugs in beside `to_ray_datasets`: it builds `{"train": ..., "val": ...}`
-Datasets from its files (read tasks need CPU slots the workers leave free), and `ShardBatches`
-reads them as it reads these.
+"""The Ray Data ingest (relay/ingest.py chooses it, for data from files and `data.cache:
+false`): the driver turns a task's split into Ray Datasets (files: relay/sources.py); each
+worker reads its shard with `ray.train.get_dataset_shard` and iterates it in batches. Each
+dataset costs the run a SplitCoordinator actor and a streaming executor, which streaming (and
+data from files) needs; data that fits in memory goes through the object store instead.
 
 Ray Train splits every dataset with `streaming_split(equal=True)`, so all ranks get the same
 number of rows and therefore the same number of batches — DDP needs every rank to run the same
@@ -70,8 +66,10 @@ class ShardBatches:
         cache: bool,
         shuffle: bool,
         seed: int,
+        shuffle_buffer: int | None = None,
     ) -> None:
         self._shard = ray.train.get_dataset_shard(name)
+        self._shuffle_buffer = shuffle_buffer or 4 * batch_size
         self._batch_size = batch_size
         self._dtypes = dtypes
         self._device = device
@@ -103,7 +101,7 @@ class ShardBatches:
         yield from self._cached.epoch(epoch)
 
     def _stream(self, epoch: int) -> Iterator[Batch]:
-        buffer = 4 * self._batch_size if self._shuffle else None
+        buffer = self._shuffle_buffer if self._shuffle else None
         for batch in self._shard.iter_batches(
             batch_size=self._batch_size,
             batch_format="numpy",

@@ -9,10 +9,9 @@ Two ingests, chosen by `choose` alone; both hand the loop the same thing, an obj
   tensors (`epochs.CachedBatches`, reshuffled per epoch with the seed). No Ray Dataset, so no
   SplitCoordinator actor, streaming executor or barrier per run. A sweep puts the data once for
   all its trials (`put_split`, passed to `trainer.fit(data=...)`).
-- RAY_DATA: `data.cache: false` streams each rank's shard from Ray Data every epoch (data.py).
-  This is also where a file-backed data source plugs in: `choose` returns RAY_DATA for it and
-  `prepare` builds its Datasets (`data.to_ray_datasets` is today's in-memory case); the loop side
-  (`data.ShardBatches`) needs no change.
+- RAY_DATA: data from files (`data.format`: Datasets that read and preprocess them on the
+  cluster, relay/sources.py), and the task's own data with `data.cache: false`
+  (`data.to_ray_datasets`); each rank's shard streams from Ray Data (`data.ShardBatches`).
 
 Rows per rank follow `streaming_split(equal=True)`'s rule, which the Ray Data ingest gets from
 Ray Train: every rank trains `rows // world` rows (the remainder is dropped), so every rank runs
@@ -50,8 +49,11 @@ class Ingest(enum.StrEnum):
 
 
 def choose(cfg: RunConfig) -> Ingest:
-    """The ingest a run uses (the only place that decides)."""
-    return Ingest.OBJECT_STORE if cfg.data.cache else Ingest.RAY_DATA
+    """The ingest a run uses (the only place that decides): data from files always streams
+    through Ray Data; the task's own data goes through the object store when cached."""
+    if cfg.data.from_files or not cfg.data.caches:
+        return Ingest.RAY_DATA
+    return Ingest.OBJECT_STORE
 
 
 def data_source(cfg: RunConfig) -> dict[str, Any]:
@@ -174,11 +176,43 @@ def prepare(cfg: RunConfig, shared: PutSplit | None = None) -> RunData:
     if ingest is Ingest.OBJECT_STORE:
         put = shared if shared is not None and shared.serves(cfg) else put_split(cfg)
         return RunData(ingest, put.train.rows, put=put)
+    if cfg.data.from_files:
+        return _from_files(cfg)
     from relay.data import to_ray_datasets
 
     split = load_split(cfg)
     rows = len(next(iter(split.train.values())))
     return RunData(ingest, rows, datasets=to_ray_datasets(split))
+
+
+def _from_files(cfg: RunConfig) -> RunData:
+    """Datasets that read `data.path` on the cluster (relay/sources.py), surveyed once for the
+    train rows and the task's columns before any worker starts."""
+    from relay import sources
+    from relay.tasks import build_task
+
+    check_cpus_for_reading(cfg)
+    task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
+    planned = sources.datasets(cfg, task)
+    rows = sources.survey(planned, task)
+    return RunData(Ingest.RAY_DATA, rows["train"], datasets=planned)
+
+
+def check_cpus_for_reading(cfg: RunConfig) -> None:
+    """Fail now, not by waiting forever, when the workers would leave Ray Data no CPU: its
+    read tasks run beside the workers, and Ray Data 2.60 lists the files with a task of one
+    whole CPU of its own (besides `data.cpus` per read task)."""
+    worker_cpus = (cfg.scaling.resources_per_worker or {}).get("CPU", 1.0)
+    total = ray.cluster_resources().get("CPU", 0.0)
+    free = total - cfg.scaling.max_workers * worker_cpus
+    needed = max(1.0, cfg.data.cpus)
+    if free < needed:
+        raise ValueError(
+            f"data.cpus: reading files needs {needed:g} CPU(s) beside the workers, but the "
+            f"cluster's {total:g} CPUs minus {cfg.scaling.max_workers} workers × {worker_cpus:g} "
+            f"leave {free:g}; use fewer workers, a smaller scaling.resources_per_worker CPU, "
+            "or a cluster with more CPUs"
+        )
 
 
 # --- worker side ----------------------------------------------------------------------------------
@@ -234,6 +268,7 @@ def open_batches(
     cache: bool,
     shuffle: bool,
     seed: int,
+    shuffle_buffer: int | None = None,
 ):
     """This worker's batches of dataset `name` ("train" or "val") through the run's ingest."""
     options = {"batch_size": batch_size, "dtypes": dtypes, "device": device, "seed": seed}
@@ -241,4 +276,6 @@ def open_batches(
         return ObjectStoreBatches(getattr(loop_data["split"], name), shuffle=shuffle, **options)
     from relay.data import ShardBatches
 
-    return ShardBatches(name, cache=cache, shuffle=shuffle, **options)
+    return ShardBatches(
+        name, cache=cache, shuffle=shuffle, shuffle_buffer=shuffle_buffer, **options
+    )

@@ -96,9 +96,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
             batch_size=cfg.batch_size,
             dtypes=task.input_columns(),
             device=parallel.device(),
-            cache=cfg.data.cache,
+            cache=cfg.data.caches,
             shuffle=shuffle,
             seed=cfg.seed,
+            shuffle_buffer=cfg.data.shuffle_buffer,
         )
 
     train_data, val_data = batches("train", cfg.data.shuffle), batches("val", False)

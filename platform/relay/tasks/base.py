@@ -131,6 +131,13 @@ class Task(ABC):
     sizes: ClassVar[dict[str, dict[str, Any]]]
     #: Whether `data.path` means something to this task.
     accepts_data_path: ClassVar[bool] = False
+    #: The columns `preprocess` gives (what `loss_and_stats` reads): data from files is checked
+    #: for them on the cluster before any worker starts; empty: not checked.
+    batch_columns: ClassVar[tuple[str, ...]] = ()
+    #: Images read from files (`data.format: images`) are resized to (height, width) in this
+    #: mode ("L": grayscale, "RGB"); None: as stored.
+    image_size: ClassVar[tuple[int, int] | None] = None
+    image_mode: ClassVar[str | None] = None
     #: Throughput is reported in these units (e.g. "tokens"), counted by this key of the
     #: stats `loss_and_stats` returns; default: samples, counted by "count".
     throughput_unit: ClassVar[str] = "samples"
@@ -191,6 +198,13 @@ class Task(ABC):
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         """Turn summed statistics into metrics (without the train_/val_ prefix)."""
         return {"loss": sums["loss_sum"] / max(sums["count"], 1.0)}
+
+    def preprocess(self, batch: Columns) -> Columns:
+        """Rows read from files (`data.format`, after `data.columns`) → the task's columns:
+        decode, tokenize, normalise. Runs on Ray Data's CPU tasks beside the trainers (never on
+        them) and may change the number of rows (charlm packs lines into windows). Default: the
+        batch as it is."""
+        return batch
 
     def input_columns(self) -> dict[str, torch.dtype]:
         """The dtype each batch column is converted to on the way into torch."""

@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Field
 from relay.models import CharTransformer
 from relay.tasks.base import (
     Batch,
+    Columns,
     InstanceSchema,
     PredictionSchema,
     Split,
@@ -109,6 +110,7 @@ class CharLMTask(Task):
     accepts_data_path = True
     throughput_unit = "tokens"  # predicted characters (bytes)
     throughput_stat = "chars"
+    batch_columns = ("tokens",)
     Size = CharLMSize
     Instance = CharLMInstance
     Prediction = CharLMPrediction
@@ -148,6 +150,20 @@ class CharLMTask(Task):
 
     def input_columns(self) -> dict[str, torch.dtype]:
         return {"tokens": torch.long}
+
+    def preprocess(self, batch: Columns) -> Columns:
+        """Lines of text (`data.format: text`, column "text") packed into windows of
+        block_size + 1 bytes, as `load_data` cuts its corpus; the bytes after the batch's last
+        whole window are dropped. Batches that already hold "tokens" pass as they are."""
+        if "tokens" in batch:
+            return batch
+        if "text" not in batch:
+            raise ValueError(f"charlm reads a 'text' column (or 'tokens'); got {sorted(batch)}")
+        window = self.hp.block_size + 1
+        joined = "\n".join(str(line) for line in batch["text"]).encode("utf-8")
+        corpus = np.frombuffer(joined, dtype=np.uint8)
+        n = len(corpus) // window
+        return {"tokens": corpus[: n * window].reshape(n, window).copy()}
 
     def loss_and_stats(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, Batch]:
         tokens = batch["tokens"]

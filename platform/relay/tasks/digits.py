@@ -15,6 +15,7 @@ from pydantic import ConfigDict, Field, field_validator
 from relay.models import MLP
 from relay.tasks.base import (
     Batch,
+    Columns,
     InstanceSchema,
     PredictionSchema,
     Split,
@@ -79,6 +80,10 @@ class DigitsTask(Task):
         "default": {"hidden": [256, 128], "dropout": 0.1},
     }
 
+    batch_columns = ("x", "y")
+    image_size = (SIDE, SIDE)
+    image_mode = "L"
+
     def build_model(self) -> torch.nn.Module:
         return MLP(64, self.hp.hidden, 10, dropout=self.hp.dropout, input_scale=1 / PIXEL_MAX)
 
@@ -88,6 +93,20 @@ class DigitsTask(Task):
         digits = load_digits()
         columns = {"x": digits.data.astype(np.float32), "y": digits.target.astype(np.int64)}
         return split_rows(columns, val_fraction, seed, test_fraction=TEST_FRACTION)
+
+    def input_columns(self) -> dict[str, torch.dtype]:
+        return {"x": torch.float32, "y": torch.long}
+
+    def preprocess(self, batch: Columns) -> Columns:
+        """Images read from a folder per class (`data.format: images`; 8×8 grayscale after
+        the read resizes them) become 64 intensities on the data set's 0–16 scale, and the
+        class index their label; tabular rows ("x", "y") pass as they are."""
+        if "image" not in batch:
+            return batch
+        images = np.asarray(batch["image"], dtype=np.float32).reshape(len(batch["image"]), -1)
+        if images.shape[1] != SIDE * SIDE:
+            raise ValueError(f"digits takes {SIDE}×{SIDE} grayscale images, got {images.shape}")
+        return {"x": images * (PIXEL_MAX / 255.0), "y": np.asarray(batch["label"])}
 
     def loss_and_stats(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, Batch]:
         logits = model(batch["x"])

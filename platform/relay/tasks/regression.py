@@ -71,6 +71,11 @@ class RegressionTask(Task):
         y = np.tanh(x @ w) + 0.5 * (x @ w) + self.hp.noise * rng.normal(size=self.hp.samples)
         return split_rows({"x": x, "y": y.astype(np.float32)}, val_fraction, seed)
 
+    batch_columns = ("x", "y")
+
+    def input_columns(self) -> dict[str, torch.dtype]:
+        return {"x": torch.float32, "y": torch.float32}
+
     def loss_and_stats(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, Batch]:
         pred = model(batch["x"]).squeeze(-1)
         loss = F.mse_loss(pred, batch["y"])

@@ -1,0 +1,261 @@
+"""Data from files (`data.format` + `data.path`): Ray Data reads them on the cluster, streamed.
+
+For each block of rows, one Ray Data task (fused by Ray from the read and one `map_batches`)
+reads it, keeps the rows of its part (train or validation), maps the file's columns to the
+task's (`data.columns`) and runs the task's `preprocess`; the trainers receive finished
+batches. The driver never holds a row: it builds the plan and, before any worker starts,
+`survey`s it once on the cluster (rows per part for the LR schedule, and the task's columns).
+
+The validation rows are chosen by a stable hash — of `data.split_key`'s value, else of the
+whole row — not by a random draw over a known row count (there is none before reading): the
+same rows land on the same side in every run, every epoch and on every worker, whatever the
+order the files are read in. pandas' `hash_array` is the hash (SipHash-2-4 with a fixed key for
+strings and bytes, a fixed bit mixer for numbers): stable across processes and versions,
+unlike Python's own `hash`.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import re
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from relay.config import RunConfig
+from relay.tasks.base import Columns, Task
+
+if TYPE_CHECKING:
+    import ray.data
+
+HASH_BITS = 64
+_MISSING = "data.columns: the files have no column"
+
+
+class MissingColumn(ValueError):
+    """A column the config or the task names is not in the files."""
+
+
+# --- pure parts (run inside Ray Data's tasks; tested without a cluster) ------------------------
+
+
+def _column_hashes(array: np.ndarray) -> np.ndarray:
+    import pandas as pd
+
+    array = np.asarray(array)
+    if array.dtype.kind in "US":  # fixed-width strings: hash_array takes them as objects
+        array = array.astype(object)
+    nested = array.dtype == object and any(isinstance(v, list | np.ndarray) for v in array[:1])
+    if array.ndim > 1 or nested:
+        # Tensors and lists: hash each row's bytes (hash_array takes only flat columns).
+        array = np.array([np.asarray(row).tobytes() for row in array], dtype=object)
+    return pd.util.hash_array(array, categorize=False)
+
+
+def row_hashes(batch: Columns, key: str | None) -> np.ndarray:
+    """A stable 64-bit hash per row: of column `key`, else of every column (in name order)."""
+    if key is not None:
+        if key not in batch:
+            raise MissingColumn(f"data.split_key: the files have no column {key!r}")
+        return _column_hashes(batch[key])
+    combined = None
+    for name in sorted(batch):
+        hashes = _column_hashes(batch[name])
+        # An odd multiplier mixes the columns in order; uint64 arithmetic wraps by design.
+        combined = hashes if combined is None else combined * np.uint64(1_000_003) ^ hashes
+    return combined
+
+
+def in_val(hashes: np.ndarray, val_fraction: float) -> np.ndarray:
+    """Whether each row is a validation row: its hash falls in the lowest `val_fraction` of
+    the 64-bit range (so a larger fraction only adds rows to validation)."""
+    top_bits = hashes >> np.uint64(HASH_BITS - 53)  # exact in float64
+    return top_bits < np.uint64(int(val_fraction * 2**53))
+
+
+def select_columns(batch: Columns, mapping: dict[str, str | list[str]] | None) -> Columns:
+    """The task's columns from the file's: `mapping` is task name ← file name, or ← a list of
+    scalar file columns stacked into one (n, k) column; None keeps the batch as it is."""
+    if mapping is None:
+        return batch
+
+    def column(name: str) -> np.ndarray:
+        if name not in batch:
+            have = ", ".join(sorted(batch))
+            raise MissingColumn(f"{_MISSING} {name!r} (they have: {have})")
+        return np.asarray(batch[name])
+
+    return {
+        target: np.stack([column(s) for s in source], axis=1)
+        if isinstance(source, list)
+        else column(source)
+        for target, source in mapping.items()
+    }
+
+
+def prepare_batch(batch: Columns) -> Columns:
+    """Columns torch can take: lists read from Parquet or JSON arrive as object arrays of
+    arrays, stacked here into one (n, k) array."""
+    out = {}
+    for name, array in batch.items():
+        array = np.asarray(array)
+        if array.dtype == object and len(array) and isinstance(array[0], list | np.ndarray):
+            array = np.stack([np.asarray(row) for row in array])
+        out[name] = array
+    return out
+
+
+def _transform(batch: Columns, *, data, task: Task, part: str | None) -> Columns:
+    """One block's way from file rows to the task's batch (the function `map_batches` runs)."""
+    if part is not None:
+        val = in_val(row_hashes(batch, data.split_key), data.val_fraction)
+        keep = val if part == "val" else ~val
+        batch = {name: np.asarray(array)[keep] for name, array in batch.items()}
+    return prepare_batch(task.preprocess(select_columns(batch, data.columns)))
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def _paths(path: str) -> str | list[str]:
+    """What Ray Data's readers take: local globs expanded here (the readers take files and
+    directories, not patterns); URIs (s3://...) are passed on as they are."""
+    if "://" in path:
+        return path
+    expanded = os.path.expanduser(path)
+    if any(char in expanded for char in "*?["):
+        matches = sorted(glob.glob(expanded, recursive=True))
+        if not matches:
+            raise FileNotFoundError(f"data.path: nothing matches {path!r}")
+        return [os.path.abspath(match) for match in matches]
+    if not os.path.exists(expanded):
+        raise FileNotFoundError(f"data.path: {path!r} does not exist")
+    return os.path.abspath(expanded)
+
+
+def _image_classes(root: str) -> dict[str, int]:
+    """Class directory name → label index, in sorted order (torchvision's ImageFolder rule)."""
+    import pyarrow.fs
+
+    filesystem, base = pyarrow.fs.FileSystem.from_uri(root if "://" in root else f"file://{root}")
+    infos = filesystem.get_file_info(pyarrow.fs.FileSelector(base))
+    names = sorted(info.base_name for info in infos if info.type == pyarrow.fs.FileType.Directory)
+    if not names:
+        raise FileNotFoundError(f"data.path: images need a directory per class under {root!r}")
+    return {name: index for index, name in enumerate(names)}
+
+
+def _label_images(batch: Columns, classes: dict[str, int]) -> Columns:
+    labels = np.array([classes[str(name)] for name in batch.pop("class")], dtype=np.int64)
+    return {**batch, "label": labels}
+
+
+def _read(data, path: str, task: Task, *, seed: int, shuffle_files: bool) -> ray.data.Dataset:
+    import ray.data
+
+    paths = _paths(path)
+    options: dict[str, Any] = {"num_cpus": data.cpus}
+    if shuffle_files:
+        # A new seeded file order every epoch (each epoch is one execution of the plan).
+        options["shuffle"] = ray.data.FileShuffleConfig(seed=seed, reseed_after_execution=True)
+    if data.format == "parquet":
+        return ray.data.read_parquet(paths, **options)
+    if data.format == "csv":
+        return ray.data.read_csv(paths, **options)
+    if data.format == "jsonl":
+        return ray.data.read_json(paths, lines=True, **options)
+    if data.format == "text":
+        return ray.data.read_text(paths, drop_empty_lines=False, **options)
+    if data.format == "images":
+        from ray.data.datasource import Partitioning
+
+        if not isinstance(paths, str):
+            raise ValueError("data.path: images are read from one directory (a folder per class)")
+        dataset = ray.data.read_images(
+            paths,
+            size=task.image_size,
+            mode=task.image_mode,
+            partitioning=Partitioning("dir", field_names=["class"], base_dir=paths),
+            **options,
+        )
+        return dataset.map_batches(
+            functools.partial(_label_images, classes=_image_classes(paths)),
+            batch_format="numpy",
+            num_cpus=data.cpus,
+        )
+    raise ValueError(f"data.format: unknown format {data.format!r}")
+
+
+def _part(source: ray.data.Dataset, data, task: Task, part: str | None) -> ray.data.Dataset:
+    return source.map_batches(
+        functools.partial(_transform, data=data, task=task, part=part),
+        batch_format="numpy",
+        num_cpus=data.cpus,
+    )
+
+
+def datasets(cfg: RunConfig, task: Task) -> dict[str, ray.data.Dataset]:
+    """The run's train and val Datasets (lazy: nothing is read until they are iterated)."""
+    data = cfg.data
+    shuffle = data.shuffle
+    if data.val is not None:
+        train = _read(data, data.path, task, seed=cfg.seed, shuffle_files=shuffle)
+        val = _read(data, data.val, task, seed=cfg.seed, shuffle_files=False)
+        return {"train": _part(train, data, task, None), "val": _part(val, data, task, None)}
+    return {
+        part: _part(
+            _read(data, data.path, task, seed=cfg.seed, shuffle_files=shuffle and part == "train"),
+            data,
+            task,
+            part,
+        )
+        for part in ("train", "val")
+    }
+
+
+# --- the survey --------------------------------------------------------------------------------
+
+
+def _tally(batch: Columns, *, part: str) -> dict[str, np.ndarray]:
+    rows = len(next(iter(batch.values()))) if batch else 0
+    return {
+        "part": np.array([part]),
+        "rows": np.array([rows]),
+        "columns": np.array([",".join(sorted(batch))]),
+    }
+
+
+def survey(planned: dict[str, ray.data.Dataset], task: Task) -> dict[str, int]:
+    """Rows per part, counted in one pass on the cluster (the schedule needs the train part's
+    length before the first step); fails with the config's field named when the files lack a
+    column, a part is empty, or the batches lack one of `task.batch_columns`."""
+    tallies = [
+        dataset.map_batches(functools.partial(_tally, part=name), batch_format="numpy")
+        for name, dataset in planned.items()
+    ]
+    try:
+        rows = tallies[0].union(*tallies[1:]).take_all()
+    except Exception as exc:  # Ray wraps the task's error; find ours in its message
+        found = re.search(r"data\.(columns|split_key): [^\n]*", str(exc))
+        if found:
+            raise MissingColumn(found.group(0)) from None
+        raise
+    counts = dict.fromkeys(planned, 0)
+    seen: set[str] = set()
+    for row in rows:
+        counts[row["part"]] += int(row["rows"])
+        if row["rows"]:
+            seen.update(filter(None, row["columns"].split(",")))
+    for name, count in counts.items():
+        if count == 0:
+            where = "data.val" if name == "val" else "data.path"
+            raise ValueError(f"{where}: the {name} part has no rows after preprocessing")
+    missing = [column for column in task.batch_columns if column not in seen]
+    if missing:
+        raise MissingColumn(
+            f"data.columns: the task needs column(s) {missing} (the batches have: "
+            f"{', '.join(sorted(seen))}); map them with data.columns"
+        )
+    return counts
