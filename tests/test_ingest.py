@@ -9,6 +9,8 @@ import sys
 import numpy as np
 import pytest
 import ray.cloudpickle
+import yaml
+from support import REPO
 
 import relay
 from relay import ingest, sources
@@ -219,27 +221,6 @@ def _file_config(tmp_path, **data) -> dict:
 
 
 @pytest.mark.slow
-def test_parquet_files_stream_every_row_once_per_epoch(ray_cluster, tmp_path):
-    train_ids, val_ids = np.arange(1_200), np.arange(10_000, 10_200)
-    _write_parquet(tmp_path / "train", train_ids, files=3)
-    _write_parquet(tmp_path / "val", val_ids, files=1)
-    cfg = from_dict(_file_config(tmp_path, val=str(tmp_path / "val")))
-    assert ingest.choose(cfg) is ingest.Ingest.RAY_DATA
-
-    result = relay.train(cfg, out=None, register=False)
-
-    assert [e["epoch"] for e in result.history] == [1, 2]
-    for epoch in result.history:
-        # 1,200 rows split evenly over 2 ranks: every id exactly once (sums of id and id²).
-        assert epoch["train_count"] == len(train_ids)
-        assert epoch["train_id_sum"] == train_ids.sum()
-        assert epoch["train_id_sq_sum"] == (train_ids**2).sum()
-        assert epoch["val_id_sum"] == val_ids.sum()
-        assert epoch["val_id_sq_sum"] == (val_ids**2).sum()
-    assert result.replicas_in_sync is True
-
-
-@pytest.mark.slow
 def test_a_hash_split_of_files_is_stable_and_a_missing_column_is_named(ray_cluster, tmp_path):
     ids = np.arange(1_000)
     _write_parquet(tmp_path / "train", ids, files=4)
@@ -247,7 +228,7 @@ def test_a_hash_split_of_files_is_stable_and_a_missing_column_is_named(ray_clust
     def counts(**data) -> dict[str, int]:
         cfg = from_dict(_file_config(tmp_path, val_fraction=0.25, **data))
         task = build_task(cfg.task, cfg.size)
-        return sources.survey(sources.datasets(cfg, task), task)
+        return sources.survey(cfg, task, sources.datasets(cfg, task))
 
     by_key, by_row = counts(split_key="id"), counts()
     # Every row lands on exactly one side, the same side each time the files are read.
@@ -255,7 +236,86 @@ def test_a_hash_split_of_files_is_stable_and_a_missing_column_is_named(ray_clust
     for split in (by_key, by_row):
         assert split["train"] + split["val"] == len(ids)
         assert 150 <= split["val"] <= 350
+    # The survey by footers and key column (taken above) counts what a full read counts.
+    cfg = from_dict(_file_config(tmp_path, val_fraction=0.25, split_key="id"))
+    task = build_task(cfg.task, cfg.size)
+    assert sources._survey_by_reading(sources.datasets(cfg, task), task) == by_key
 
-    bad = from_dict(_file_config(tmp_path, columns={"id": "id", "x": "nope", "y": "target"}))
-    with pytest.raises(ValueError, match=r"data.columns: the files have no column 'nope'"):
-        ingest.prepare(bad)
+    # A missing column is named, whichever way the files are surveyed.
+    for split_key in ("id", None):
+        columns = {"id": "id", "x": "nope", "y": "target"}
+        bad = from_dict(_file_config(tmp_path, columns=columns, split_key=split_key))
+        with pytest.raises(ValueError, match=r"data.columns: the files have no column 'nope'"):
+            ingest.prepare(bad)
+
+
+def _survey(cfg_dict: dict) -> dict[str, int]:
+    cfg = from_dict(cfg_dict)
+    task = build_task(cfg.task, cfg.size, cfg.model)
+    return sources.survey(cfg, task, sources.datasets(cfg, task))
+
+
+@pytest.mark.slow
+def test_csv_jsonl_and_text_files_are_read_and_split_alike(ray_cluster, tmp_path):
+    import pandas as pd
+
+    ids = np.arange(900)
+    frame = pd.DataFrame({"id": ids, "target": ids * 0.5} | {f"f{k}": ids * k for k in range(4)})
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "jsonl").mkdir()
+    for i, rows in enumerate(np.array_split(np.arange(len(frame)), 3)):
+        part = frame.iloc[rows]
+        part.to_csv(tmp_path / "csv" / f"part-{i}.csv", index=False)
+        part.to_json(tmp_path / "jsonl" / f"part-{i}.jsonl", orient="records", lines=True)
+    counts = {
+        fmt: _survey(_file_config(tmp_path, format=fmt, path=str(tmp_path / fmt), split_key="id"))
+        for fmt in ("csv", "jsonl")
+    }
+    # The same ids hash alike whatever the format: the same rows go to validation.
+    assert counts["csv"] == counts["jsonl"]
+    assert counts["csv"]["train"] + counts["csv"]["val"] == len(ids)
+
+    # The example config's digits, as Parquet (jobs/example_data.py writes them).
+    from jobs.example_data import write_digits_parquet
+
+    write_digits_parquet(tmp_path / "digits")
+    example = yaml.safe_load((REPO / "jobs/configs/digits-files.yaml").read_text())
+    example["data"]["path"] = str(tmp_path / "digits")
+    digits = _survey(example)
+    assert digits["train"] + digits["val"] == 1_797
+    assert 0.1 < digits["val"] / 1_797 < 0.2  # val_fraction 0.15, by a hash of `id`
+
+    # charlm over a directory of text files: its lines packed into windows of 33 bytes.
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    lines = [f"line {i}: " + "x" * (i % 50) for i in range(2_000)]
+    for i in range(4):
+        (corpus / f"{i}.txt").write_text("\n".join(lines[i::4]) + "\n")
+    text = {"task": "charlm", "size": "debug", "data": {"format": "text", "path": str(corpus)}}
+    windows = _survey(text)
+    total = sum(len(line) + 1 for line in lines)
+    assert 0.9 * total / 33 < windows["train"] + windows["val"] <= total / 33
+    assert 0.1 < windows["val"] / (windows["train"] + windows["val"]) < 0.3
+
+
+@pytest.mark.slow
+def test_digits_train_from_a_folder_of_images_per_class(ray_cluster, tmp_path):
+    from jobs.example_data import write_digit_images
+
+    assert write_digit_images(tmp_path / "images", every=2) == 899
+    config = {
+        "name": "digit-images",
+        "task": "digits",
+        "size": "debug",
+        "epochs": 4,
+        "batch_size": 16,
+        "optim": {"lr": 0.01},
+        "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
+        # Read once and kept by each worker (streaming is the larger-than-memory test's).
+        "data": {"format": "images", "path": str(tmp_path / "images"), "cache": True},
+    }
+    counts = _survey(config)
+    assert counts["train"] + counts["val"] == 899
+    result = relay.train(from_dict(config), out=None, register=False)
+    # Decoded and labelled right (a folder's index in sorted order): chance is 0.1.
+    assert result.history[-1]["val_accuracy"] > 0.6

@@ -7,6 +7,7 @@ module, code receives a `RunConfig`; it becomes a plain dict only at the Ray bou
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -249,6 +250,10 @@ class DataConfig(_Section):
             for name in ("columns", "val", "split_key"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"data.{name}: only for files; set data.format too")
+        if self.format == "images" and importlib.util.find_spec("PIL") is None:
+            raise ValueError(
+                "data.format: images are decoded by Pillow: pip install 'relay[images]'"
+            )
         if self.val is not None and self.split_key is not None:
             raise ValueError("data.split_key: the split comes from data.val; give one of them")
         return self

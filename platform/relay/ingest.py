@@ -194,7 +194,7 @@ def _from_files(cfg: RunConfig) -> RunData:
     check_cpus_for_reading(cfg)
     task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
     planned = sources.datasets(cfg, task)
-    rows = sources.survey(planned, task)
+    rows = sources.survey(cfg, task, planned)
     return RunData(Ingest.RAY_DATA, rows["train"], datasets=planned)
 
 

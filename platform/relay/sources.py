@@ -227,10 +227,69 @@ def _tally(batch: Columns, *, part: str) -> dict[str, np.ndarray]:
     }
 
 
-def survey(planned: dict[str, ray.data.Dataset], task: Task) -> dict[str, int]:
-    """Rows per part, counted in one pass on the cluster (the schedule needs the train part's
-    length before the first step); fails with the config's field named when the files lack a
-    column, a part is empty, or the batches lack one of `task.batch_columns`."""
+def survey(cfg: RunConfig, task: Task, planned: dict[str, ray.data.Dataset]) -> dict[str, int]:
+    """Rows per part (the schedule needs the train part's length before the first step),
+    checked before any worker starts; fails with the config's field named when the files lack
+    a column, a part is empty, or the batches lack one of `task.batch_columns`.
+
+    Parquet files that the task does not preprocess are surveyed from their footers (row
+    counts and schema) and, for a split by `split_key`, a read of that one column; anything
+    else takes one pass over the planned datasets on the cluster."""
+    data = cfg.data
+    by_footers = data.val is not None or data.split_key is not None
+    if data.format == "parquet" and type(task).preprocess is Task.preprocess and by_footers:
+        counts = _survey_parquet(cfg, task)
+    else:
+        counts = _survey_by_reading(planned, task)
+    for name, count in counts.items():
+        if count == 0:
+            where = "data.val" if name == "val" else "data.path"
+            raise ValueError(f"{where}: the {name} part has no rows after preprocessing")
+    return counts
+
+
+def _parquet_footers(path: str):
+    import pyarrow.dataset
+
+    return pyarrow.dataset.dataset(_paths(path), format="parquet", partitioning="hive")
+
+
+def _survey_parquet(cfg: RunConfig, task: Task) -> dict[str, int]:
+    import ray.data
+
+    data = cfg.data
+    train = _parquet_footers(data.path)
+    names = set(train.schema.names)
+    if data.split_key is not None and data.split_key not in names:
+        raise MissingColumn(f"data.split_key: the files have no column {data.split_key!r}")
+    empty = {name: np.empty(0) for name in names}  # the mapping, checked on the names alone
+    _check_batch_columns(task, set(select_columns(empty, data.columns)))
+    if data.val is not None:
+        return {"train": train.count_rows(), "val": _parquet_footers(data.val).count_rows()}
+    # Only the key column is read, on the cluster (the driver holds none of it).
+    keys = ray.data.read_parquet(_paths(data.path), columns=[data.split_key], num_cpus=data.cpus)
+    tallies = keys.map_batches(
+        functools.partial(_tally_split, data=data), batch_format="numpy", num_cpus=data.cpus
+    ).take_all()
+    val = sum(int(row["val"]) for row in tallies)
+    return {"train": train.count_rows() - val, "val": val}
+
+
+def _tally_split(batch: Columns, *, data) -> dict[str, np.ndarray]:
+    val = in_val(row_hashes(batch, data.split_key), data.val_fraction)
+    return {"val": np.array([int(val.sum())])}
+
+
+def _check_batch_columns(task: Task, have: set[str]) -> None:
+    missing = [column for column in task.batch_columns if column not in have]
+    if missing:
+        raise MissingColumn(
+            f"data.columns: the task needs column(s) {missing} (the batches have: "
+            f"{', '.join(sorted(have))}); map them with data.columns"
+        )
+
+
+def _survey_by_reading(planned: dict[str, ray.data.Dataset], task: Task) -> dict[str, int]:
     tallies = [
         dataset.map_batches(functools.partial(_tally, part=name), batch_format="numpy")
         for name, dataset in planned.items()
@@ -248,14 +307,5 @@ def survey(planned: dict[str, ray.data.Dataset], task: Task) -> dict[str, int]:
         counts[row["part"]] += int(row["rows"])
         if row["rows"]:
             seen.update(filter(None, row["columns"].split(",")))
-    for name, count in counts.items():
-        if count == 0:
-            where = "data.val" if name == "val" else "data.path"
-            raise ValueError(f"{where}: the {name} part has no rows after preprocessing")
-    missing = [column for column in task.batch_columns if column not in seen]
-    if missing:
-        raise MissingColumn(
-            f"data.columns: the task needs column(s) {missing} (the batches have: "
-            f"{', '.join(sorted(seen))}); map them with data.columns"
-        )
+    _check_batch_columns(task, seen)
     return counts
