@@ -163,6 +163,18 @@ def startup(f: dict[str, Any]) -> str:
     )
 
 
+def ingest(f: dict[str, Any]) -> str:
+    rates = f["rows_per_s"]
+    return (
+        f"rows/s to 2 workers from Parquet, tokenised on the way: Ray Data "
+        f"{rate(rates['ray_data']['median'])} vs `DataLoader` "
+        f"{rate(rates['dataloader']['median'])} (`ray_data_vs_dataloader` "
+        f"**{ratio(f['ray_data_vs_dataloader'])}**), already in memory "
+        f"{rate(rates['in_memory']['median'])}; charlm debug trainers wait for input "
+        f"{percent(f['trainer_idle_share'])} of the training pass"
+    )
+
+
 TABLE = {
     "train_overhead": (
         "2-worker relay `TorchTrainer` vs plain `torchrun`, the same epoch code (relay.epochs)",
@@ -177,6 +189,7 @@ TABLE = {
     ),
     "overlap": ("one more trial than fits, started while others train, vs none", overlap),
     "serve_load": ("relay Serve vs a plain FastAPI server, same model", serve_load),
+    "ingest": ("data from Parquet files vs a DataLoader and vs in memory", ingest),
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -98,3 +99,25 @@ def test_two_micro_batches_of_b_train_like_one_batch_of_2b():
         accumulated.state_dict().items(), whole.state_dict().items(), strict=True
     ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_share_of_a_pass_spent_waiting_for_input_is_measured():
+    cfg = from_dict({"task": "regression", "size": "debug", "epochs": 1, "batch_size": 32})
+    task = build_task(cfg.task, cfg.size, cfg.model)
+    engine = parallel.Engine(task.build_model(), cfg.parallel, *optimizer_spec(cfg.optim))
+    scheduler = build_scheduler(cfg.schedule, engine.optimizer, 8, cfg.epochs)
+    columns = task.load_data(0.2, cfg.seed).train
+    tensors = to_tensors(columns, task.input_columns(), parallel.device())
+    batches = CachedBatches(tensors, batch_size=32, shuffle=False, seed=0)
+    epochs = Epochs(task, engine, scheduler, cfg)
+
+    def slow(epoch: int, pause_s: float):
+        for batch in itertools.islice(batches.epoch(epoch), 8):
+            time.sleep(pause_s)  # an input pipeline that cannot keep up
+            yield batch
+
+    starved = epochs.epoch(1, slow(1, 0.05), batches.epoch(1))["input_wait_share"]
+    fed = epochs.epoch(2, slow(2, 0.0), batches.epoch(2))["input_wait_share"]
+    # 8 pauses of 50 ms against steps of a 32-wide MLP: the pass is mostly waiting.
+    assert 0.5 < starved <= 1.0
+    assert 0 <= fed < starved

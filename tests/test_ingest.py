@@ -241,6 +241,15 @@ def test_a_hash_split_of_files_is_stable_and_a_missing_column_is_named(ray_clust
     task = build_task(cfg.task, cfg.size)
     assert sources._survey_by_reading(sources.datasets(cfg, task), task) == by_key
 
+    # A sweep surveys once for its trials; a trial takes those rows only for the same data.
+    shared = ingest.put_for_trials(cfg, ["optim.lr"])
+    assert shared.rows == by_key
+    made_up = ingest.SurveyedFiles(shared.source, {"train": 7, "val": 3})
+    assert ingest.prepare(cfg, made_up).train_rows == 7  # taken, not surveyed again
+    other_seed = cfg.model_copy(update={"seed": 1})
+    assert ingest.prepare(other_seed, made_up).train_rows == by_key["train"]  # its own survey
+    assert ingest.put_for_trials(cfg, ["data.val_fraction"]) is None
+
     # A missing column is named, whichever way the files are surveyed.
     for split_key in ("id", None):
         columns = {"id": "id", "x": "nope", "y": "target"}
@@ -256,7 +265,7 @@ def _survey(cfg_dict: dict) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_csv_jsonl_and_text_files_are_read_and_split_alike(ray_cluster, tmp_path):
+def test_csv_jsonl_text_and_image_files_are_read_and_split_alike(ray_cluster, tmp_path):
     import pandas as pd
 
     ids = np.arange(900)
@@ -285,6 +294,16 @@ def test_csv_jsonl_and_text_files_are_read_and_split_alike(ray_cluster, tmp_path
     assert digits["train"] + digits["val"] == 1_797
     assert 0.1 < digits["val"] / 1_797 < 0.2  # val_fraction 0.15, by a hash of `id`
 
+    # digits from a folder of images per class (decoding is test_sources.py's): every image
+    # is read, in train or validation.
+    from jobs.example_data import write_digit_images
+
+    assert write_digit_images(tmp_path / "images", every=4) == 450
+    images = _survey(
+        {"task": "digits", "data": {"format": "images", "path": str(tmp_path / "images")}}
+    )
+    assert images["train"] + images["val"] == 450
+
     # charlm over a directory of text files: its lines packed into windows of 33 bytes.
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -296,26 +315,3 @@ def test_csv_jsonl_and_text_files_are_read_and_split_alike(ray_cluster, tmp_path
     total = sum(len(line) + 1 for line in lines)
     assert 0.9 * total / 33 < windows["train"] + windows["val"] <= total / 33
     assert 0.1 < windows["val"] / (windows["train"] + windows["val"]) < 0.3
-
-
-@pytest.mark.slow
-def test_digits_train_from_a_folder_of_images_per_class(ray_cluster, tmp_path):
-    from jobs.example_data import write_digit_images
-
-    assert write_digit_images(tmp_path / "images", every=2) == 899
-    config = {
-        "name": "digit-images",
-        "task": "digits",
-        "size": "debug",
-        "epochs": 4,
-        "batch_size": 16,
-        "optim": {"lr": 0.01},
-        "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
-        # Read once and kept by each worker (streaming is the larger-than-memory test's).
-        "data": {"format": "images", "path": str(tmp_path / "images"), "cache": True},
-    }
-    counts = _survey(config)
-    assert counts["train"] + counts["val"] == 899
-    result = relay.train(from_dict(config), out=None, register=False)
-    # Decoded and labelled right (a folder's index in sorted order): chance is 0.1.
-    assert result.history[-1]["val_accuracy"] > 0.6

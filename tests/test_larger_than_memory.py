@@ -20,10 +20,10 @@ from support import REPO, subprocess_env
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 STORE_BYTES = 75 * 1024 * 1024
-FEATURES = 256  # float32: 1 KiB of features per row
-ROWS = 240_000  # ~246 MB of features: 3.1× the object store
+FEATURES = 2_048  # float32: 8 KiB of features per row
+ROWS = 30_000  # ~246 MB of features: 3.1× the object store
 FILES = 12
-VAL_ROWS = 2_000
+VAL_ROWS = 200
 
 DRIVER = textwrap.dedent(
     """
@@ -103,7 +103,7 @@ def test_training_streams_files_larger_than_the_object_store(tmp_path):
         "size": "debug",
         "model": {"features": FEATURES},
         "epochs": 2,
-        "batch_size": 4_000,
+        "batch_size": 500,
         "storage": str(tmp_path / "relay"),
         "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
         "checkpoint": {"keep": 1},

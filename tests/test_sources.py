@@ -144,3 +144,33 @@ def test_a_path_that_matches_nothing_is_named(tmp_path):
         str(tmp_path / "a.csv"),
         str(tmp_path / "b.csv"),
     ]
+
+
+def test_head_reads_a_few_task_rows_without_a_cluster(tmp_path):
+    """`relay plan` measures the model on rows `head` reads on the driver, for every format."""
+    from jobs.example_data import write_corpus, write_digit_images, write_digits_parquet
+
+    write_digits_parquet(tmp_path / "digits")
+    write_digit_images(tmp_path / "images", every=50)
+    write_corpus(tmp_path / "corpus", limit=20_000)
+
+    def head(task: str, **data) -> dict:
+        cfg = from_dict({"task": task, "size": "debug", "data": data})
+        return sources.head(cfg, build_task(task, "debug"), rows=40)
+
+    digits = head(
+        "digits",
+        format="parquet",
+        path=str(tmp_path / "digits"),
+        columns={"x": "pixels", "y": "digit"},
+    )
+    # 8×8 tensors in the file, 64 intensities a row for the model; the data set's own rows.
+    from sklearn.datasets import load_digits
+
+    assert digits["x"].shape == (40, 64)
+    assert (digits["x"] == load_digits().data[:40]).all()
+    images = head("digits", format="images", path=str(tmp_path / "images"))
+    assert images["x"].shape[1] == 64 and images["x"].max() <= 16.0
+    assert set(images["y"].tolist()) <= set(range(10))
+    text = head("charlm", format="text", path=str(tmp_path / "corpus"))
+    assert text["tokens"].shape[1] == 33  # debug block_size 32, plus the next byte

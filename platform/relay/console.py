@@ -10,7 +10,7 @@ from typing import Any, TextIO
 
 from relay import background, history
 
-_SKIP = {"epoch", "samples_per_s", "epoch_s", "lr", "time"}
+_SKIP = {"epoch", "samples_per_s", "input_wait_share", "epoch_s", "lr", "time"}
 
 
 def human_bytes(n: float) -> str:
@@ -40,6 +40,8 @@ def epoch_line(metrics: dict[str, Any], epochs: int) -> str:
     parts = [f"epoch {metrics['epoch']:>{width}}/{epochs}"]
     parts += [f"{k} {_number(v)}" for k, v in metrics.items() if k not in _SKIP]
     parts.append(f"{metrics.get('samples_per_s', 0):,.0f} samples/s")
+    if "input_wait_share" in metrics:  # histories written before it was measured lack it
+        parts.append(f"input wait {metrics['input_wait_share']:.0%}")
     parts.append(f"{metrics.get('epoch_s', 0):.2f}s")
     return "  ".join(parts)
 

@@ -148,6 +148,10 @@ class Epochs:
             **{f"train_{k}": v for k, v in summarize(trained).items()},
             **{f"val_{k}": v for k, v in summarize(validated).items()},
             "samples_per_s": trained["count"] / trained["train_s"],
+            # Share of the training pass the ranks spent waiting for their next batch: near 0
+            # when the input keeps up, near 1 when it starves the trainers.
+            "input_wait_share": trained["input_wait_s"]
+            / (trained["train_s"] * parallel.world_size()),
             "epoch_s": time.perf_counter() - started,
             "lr": self.scheduler.get_last_lr()[0],
             "workers": parallel.world_size(),
@@ -162,7 +166,8 @@ class Epochs:
         sums: Batch = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
         started = time.perf_counter()
         steps = 0
-        for group in _micro_batch_groups(batches, self.cfg.parallel.grad_accum):
+        waiting = _InputClock(batches)
+        for group in _micro_batch_groups(waiting, self.cfg.parallel.grad_accum):
             engine.zero_grad()
             for i, batch in enumerate(group):
                 # Gradients are synchronised once per optimizer step, on its last micro-batch.
@@ -177,6 +182,7 @@ class Epochs:
                 self.first_step_at = time.time()
         parallel.synchronize()
         elapsed = time.perf_counter() - started
+        sums["input_wait_s"] = torch.tensor(waiting.seconds, dtype=torch.float64)
         totals = parallel.sum_across_ranks(sums)
         self.passes.append(
             {
@@ -203,6 +209,24 @@ class Epochs:
             for batch in batches:
                 _accumulate(sums, self.task.loss_and_stats(self.engine.model, batch)[1])
         return parallel.sum_across_ranks(sums)
+
+
+class _InputClock:
+    """Iterates `batches`, adding up the seconds spent waiting for each next one."""
+
+    def __init__(self, batches: Iterable[Batch]) -> None:
+        self._batches = iter(batches)
+        self.seconds = 0.0
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        started = time.perf_counter()
+        try:
+            return next(self._batches)
+        finally:
+            self.seconds += time.perf_counter() - started
 
 
 def _accumulate(sums: Batch, stats: Batch) -> None:

@@ -11,7 +11,8 @@ Two ingests, chosen by `choose` alone; both hand the loop the same thing, an obj
   all its trials (`put_split`, passed to `trainer.fit(data=...)`).
 - RAY_DATA: data from files (`data.format`: Datasets that read and preprocess them on the
   cluster, relay/sources.py), and the task's own data with `data.cache: false`
-  (`data.to_ray_datasets`); each rank's shard streams from Ray Data (`data.ShardBatches`).
+  (`data.to_ray_datasets`); each rank's shard streams from Ray Data (`data.ShardBatches`). A
+  sweep surveys its files once for all trials (`SurveyedFiles`).
 
 Rows per rank follow `streaming_split(equal=True)`'s rule, which the Ray Data ingest gets from
 Ray Train: every rank trains `rows // world` rows (the remainder is dropped), so every rank runs
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -143,13 +146,31 @@ def put_split(cfg: RunConfig, split: Split | None = None) -> PutSplit:
     return PutSplit(data_source(cfg), PutColumns.put(split.train), PutColumns.put(split.val))
 
 
-def put_for_trials(base: RunConfig, searched: Iterable[str]) -> PutSplit | None:
-    """The split of a sweep's base config, put once for all its trials (`trainer.fit(data=)`);
-    None when no trial would use it: the base's ingest is not the object store, or the search
-    varies a field the data depends on (each trial then loads its own)."""
-    if choose(base) is not Ingest.OBJECT_STORE:
-        return None
+@dataclass(frozen=True)
+class SurveyedFiles:
+    """Data from files, surveyed once (rows per part) for every run of the same data source:
+    a sweep's trials skip the survey's pass over the files."""
+
+    source: dict[str, Any]
+    rows: dict[str, int]
+
+    def serves(self, cfg: RunConfig) -> bool:
+        return cfg.data.from_files and data_source(cfg) == self.source
+
+
+#: What a sweep prepares once for all its trials (`trainer.fit(data=)`).
+SharedData = PutSplit | SurveyedFiles
+
+
+def put_for_trials(base: RunConfig, searched: Iterable[str]) -> SharedData | None:
+    """A sweep's data, prepared once for all its trials: the base config's split put in the
+    object store, or its files surveyed. None when the search varies a field the data depends
+    on (each trial then prepares its own), or the base streams its own data."""
     if any(key.split(".")[0] in DATA_FIELDS for key in searched):
+        return None
+    if base.data.from_files:
+        return SurveyedFiles(data_source(base), _survey_files(base)[1])
+    if choose(base) is not Ingest.OBJECT_STORE:
         return None
     return put_split(base)
 
@@ -169,15 +190,16 @@ class RunData:
         return {"ingest": self.ingest.value, "split": self.put}
 
 
-def prepare(cfg: RunConfig, shared: PutSplit | None = None) -> RunData:
-    """The run's data for the chosen ingest; `shared` (a sweep's put) is used when it holds
-    the split this config would load, else the run loads and puts its own."""
+def prepare(cfg: RunConfig, shared: SharedData | None = None) -> RunData:
+    """The run's data for the chosen ingest; `shared` (a sweep's) is used when it is what
+    this config would prepare, else the run prepares its own."""
     ingest = choose(cfg)
+    serves = shared is not None and shared.serves(cfg)
     if ingest is Ingest.OBJECT_STORE:
-        put = shared if shared is not None and shared.serves(cfg) else put_split(cfg)
+        put = shared if serves else put_split(cfg)
         return RunData(ingest, put.train.rows, put=put)
     if cfg.data.from_files:
-        return _from_files(cfg)
+        return _from_files(cfg, shared.rows if serves else None)
     from relay.data import to_ray_datasets
 
     split = load_split(cfg)
@@ -185,24 +207,45 @@ def prepare(cfg: RunConfig, shared: PutSplit | None = None) -> RunData:
     return RunData(ingest, rows, datasets=to_ray_datasets(split))
 
 
-def _from_files(cfg: RunConfig) -> RunData:
-    """Datasets that read `data.path` on the cluster (relay/sources.py), surveyed once for the
-    train rows and the task's columns before any worker starts."""
+def _survey_files(cfg: RunConfig, rows: dict[str, int] | None = None):
+    """Datasets that read `data.path` on the cluster (relay/sources.py) and their rows per
+    part: `rows` when known (a sweep's survey), else surveyed now, before any worker starts
+    (which also checks the task's columns)."""
     from relay import sources
     from relay.tasks import build_task
 
     check_cpus_for_reading(cfg)
     task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
     planned = sources.datasets(cfg, task)
-    rows = sources.survey(cfg, task, planned)
+    return planned, rows or sources.survey(cfg, task, planned)
+
+
+def _from_files(cfg: RunConfig, rows: dict[str, int] | None) -> RunData:
+    planned, rows = _survey_files(cfg, rows)
     return RunData(Ingest.RAY_DATA, rows["train"], datasets=planned)
+
+
+def _worker_cpus(cfg: RunConfig) -> float:
+    return (cfg.scaling.resources_per_worker or {}).get("CPU", 1.0)
+
+
+def cpus_to_start(cfg: RunConfig) -> int | None:
+    """The CPUs an embedded cluster started for `cfg` advertises: the machine's, or, when it
+    reads files and the workers would take every core, one more than the workers reserve, so
+    that Ray Data's tasks share cores with the trainers (as a DataLoader's worker processes
+    would) instead of waiting forever for a free one. None: Ray's own count."""
+    if not cfg.data.from_files:
+        return None
+    cores = os.cpu_count() or 1
+    needed = math.ceil(cfg.scaling.max_workers * _worker_cpus(cfg) + max(1.0, cfg.data.cpus))
+    return max(cores, needed)
 
 
 def check_cpus_for_reading(cfg: RunConfig) -> None:
     """Fail now, not by waiting forever, when the workers would leave Ray Data no CPU: its
     read tasks run beside the workers, and Ray Data 2.60 lists the files with a task of one
     whole CPU of its own (besides `data.cpus` per read task)."""
-    worker_cpus = (cfg.scaling.resources_per_worker or {}).get("CPU", 1.0)
+    worker_cpus = _worker_cpus(cfg)
     total = ray.cluster_resources().get("CPU", 0.0)
     free = total - cfg.scaling.max_workers * worker_cpus
     needed = max(1.0, cfg.data.cpus)

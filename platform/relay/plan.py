@@ -355,9 +355,16 @@ def plan(
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
     try:
-        columns = task.load_data(cfg.data.val_fraction, cfg.seed).train
+        if cfg.data.from_files:
+            from relay.sources import head
+
+            columns = head(cfg, task)  # a few rows, read here: plan needs no cluster
+        else:
+            columns = task.load_data(cfg.data.val_fraction, cfg.seed).train
     except (OSError, ValueError) as exc:  # e.g. a data.path that is missing or empty
-        raise ConfigError(f"data.path: {exc}") from None
+        message = str(exc)
+        named = message if message.startswith("data.") else f"data.path: {message}"
+        raise ConfigError(named) from None
     state = measure_model_state(cfg, task, task.first_rows(columns, min(PROBE_BATCHES)))
     fp32_bytes = state.param_bytes // max(state.parameters, 1)
 

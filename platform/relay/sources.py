@@ -20,6 +20,7 @@ import functools
 import glob
 import os
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -180,8 +181,11 @@ def _read(data, path: str, task: Task, *, seed: int, shuffle_files: bool) -> ray
             partitioning=Partitioning("dir", field_names=["class"], base_dir=paths),
             **options,
         )
+        # Labels from the train folders' classes, for validation files too: a class missing
+        # from `data.val` must not shift the others' indices.
+        classes = _image_classes(_paths(data.path))
         return dataset.map_batches(
-            functools.partial(_label_images, classes=_image_classes(paths)),
+            functools.partial(_label_images, classes=classes),
             batch_format="numpy",
             num_cpus=data.cpus,
         )
@@ -213,6 +217,61 @@ def datasets(cfg: RunConfig, task: Task) -> dict[str, ray.data.Dataset]:
         )
         for part in ("train", "val")
     }
+
+
+# --- a few rows on the driver (`relay plan`, which runs without a cluster) -------------------
+
+
+def _to_numpy(column) -> np.ndarray:
+    import pyarrow as pa
+
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if isinstance(column.type, pa.FixedShapeTensorType):
+        return column.to_numpy_ndarray()
+    return column.to_numpy(zero_copy_only=False)
+
+
+def _head_rows(data, task: Task, rows: int) -> Columns:
+    """The first `rows` rows of `data.path` as the files hold them, read here with pyarrow
+    (Pillow for images); no cluster."""
+    paths = _paths(data.path)
+    if data.format in ("parquet", "csv", "jsonl"):
+        import pyarrow.dataset
+
+        kind = {"parquet": "parquet", "csv": "csv", "jsonl": "json"}[data.format]
+        table = pyarrow.dataset.dataset(paths, format=kind).head(rows)
+        return {name: _to_numpy(table[name]) for name in table.column_names}
+    files = sorted(
+        str(p)
+        for path in ([paths] if isinstance(paths, str) else paths)
+        for p in (Path(path).rglob("*") if Path(path).is_dir() else [Path(path)])
+        if p.is_file()
+    )
+    if data.format == "text":
+        lines: list[str] = []
+        for file in files:
+            lines += Path(file).read_text(encoding="utf-8", errors="replace").splitlines()
+            if len(lines) >= rows:
+                break
+        return {"text": np.array(lines[:rows], dtype=object)}
+    from PIL import Image
+
+    classes = _image_classes(paths)
+    images, labels = [], []
+    for file in files[:rows]:
+        image = Image.open(file)
+        image = image.convert(task.image_mode) if task.image_mode else image
+        image = image.resize(task.image_size[::-1]) if task.image_size else image
+        images.append(np.asarray(image))
+        labels.append(classes[Path(file).parent.name])
+    return {"image": np.stack(images), "label": np.array(labels, dtype=np.int64)}
+
+
+def head(cfg: RunConfig, task: Task, rows: int = 256) -> Columns:
+    """A few of the task's rows from the files, as a batch of the train part would have them
+    (columns mapped, preprocessed), for measuring the model on the driver (`relay plan`)."""
+    batch = _head_rows(cfg.data, task, rows)
+    return prepare_batch(task.preprocess(select_columns(batch, cfg.data.columns)))
 
 
 # --- the survey --------------------------------------------------------------------------------

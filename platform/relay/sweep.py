@@ -101,7 +101,7 @@ def _trial_driver(
     *,
     base: dict[str, Any],
     sweep_id: str,
-    data: ingest.PutSplit | None = None,
+    data: ingest.SharedData | None = None,
 ) -> None:
     """One trial: the sweep's base config with this trial's sampled values, trained by the same
     `trainer.fit` as `relay train`. Runs inside a Tune trial actor. `data`: the base config's
@@ -246,7 +246,7 @@ def run(
     storage = storage or cfg.train.storage_path()
     sweep_id = resume or trainer.new_run_id(cfg.name)
     sweep_dir = sweeps_root(storage) / sweep_id
-    cluster.connect(verbose=verbose)
+    cluster.connect(verbose=verbose, num_cpus=ingest.cpus_to_start(cfg.train))
     if cfg.search_alg == "pbt":  # before anything is written: a population that cannot fit
         pbt.check_capacity(cfg, cfg.max_concurrent_trials or trials_that_fit(cfg))
     if not verbose:

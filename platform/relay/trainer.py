@@ -19,7 +19,7 @@ from relay import checkpoint, cluster, console, efficiency, history, registry
 from relay.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
-    from relay.ingest import PutSplit, RunData
+    from relay.ingest import RunData, SharedData
 
 
 @dataclass
@@ -126,7 +126,7 @@ def fit(
     callbacks: list | None = None,
     labels: dict[str, Any] | None = None,
     init_checkpoint: str | Path | None = None,
-    data: PutSplit | None = None,
+    data: SharedData | None = None,
 ) -> RunResult:
     """Train `cfg` on the current Ray cluster (starting a local one if none), record the run and
     (with `register`) make its best checkpoint the next version of model `model_name`.
@@ -140,8 +140,9 @@ def fit(
     those weights, optimizer state and epoch, under this config's hyperparameters; the run's
     own checkpoints, once it has any, take precedence (a restart resumes the run itself).
 
-    `data`: a split already in the object store (`ingest.put_split`, a sweep's, put once for
-    all its trials); used when it is the split this config loads, else the run loads its own.
+    `data`: what a sweep prepared once for all its trials (`ingest.put_for_trials`: a split
+    in the object store, or its files' survey); used when it is what this config would
+    prepare, else the run prepares its own.
     """
     from relay import ingest
 
@@ -158,7 +159,7 @@ def fit(
         init_checkpoint = str(checkpoint.validate(init_checkpoint))
         check_resumable(checkpoint.read_meta(init_checkpoint)["config"], cfg)
     registry.check_writable(registry.runs_root(cfg.storage_path()))
-    cluster.connect(verbose=verbose)
+    cluster.connect(verbose=verbose, num_cpus=ingest.cpus_to_start(cfg))
     times["connected"] = time.time()
     run_data = ingest.prepare(cfg, shared=data)
     train_rows = run_data.train_rows

@@ -215,7 +215,7 @@ class Task(ABC):
         dtypes = self.input_columns()
         batch = {}
         for name, array in columns.items():
-            tensor = torch.as_tensor(array[:n])
+            tensor = torch.as_tensor(np.array(array[:n]))  # a copy: files' arrays are read-only
             batch[name] = tensor.to(dtypes.get(name, tensor.dtype))
         return batch
 

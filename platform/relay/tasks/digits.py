@@ -100,9 +100,13 @@ class DigitsTask(Task):
     def preprocess(self, batch: Columns) -> Columns:
         """Images read from a folder per class (`data.format: images`; 8×8 grayscale after
         the read resizes them) become 64 intensities on the data set's 0–16 scale, and the
-        class index their label; tabular rows ("x", "y") pass as they are."""
+        class index their label; tabular rows pass with "x" flattened to 64 columns (from
+        8×8 tensors, say)."""
         if "image" not in batch:
-            return batch
+            x = np.asarray(batch["x"]).reshape(len(batch["x"]), -1)
+            if x.shape[1] != SIDE * SIDE:
+                raise ValueError(f"digits takes x of {SIDE * SIDE} pixels a row, got {x.shape}")
+            return {**batch, "x": x}
         images = np.asarray(batch["image"], dtype=np.float32).reshape(len(batch["image"]), -1)
         if images.shape[1] != SIDE * SIDE:
             raise ValueError(f"digits takes {SIDE}×{SIDE} grayscale images, got {images.shape}")
