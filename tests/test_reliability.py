@@ -278,7 +278,7 @@ def test_sigkilled_workers_at_random_moments(ray_cluster, tmp_path):
                 for k, r in zip(ks, rs, strict=True)
             )
         )
-    assert len(kills) == 10
+    assert len(kills) == 7
 
 
 # --- damaged checkpoints given to the CLI ---------------------------------------------------------
