@@ -227,7 +227,7 @@ def child(args: argparse.Namespace) -> None:
         import ray
 
         os.environ.pop("RAY_TRAIN_CALLBACKS")  # here Marks is passed to fit() directly
-        resources = {"CPU": 1.0}  # relay's default per worker (trainer._worker_cpus)
+        resources = {"CPU": 1.0}  # relay's default per worker (ScalingConfig.cpus_per_worker)
         out: dict[str, Any] = {"side": args.child, "connect_s": connect_s}
         floor_run(1, resources, storage / "warmup", "warmup")  # 1 worker: cheaper, as warm
         for name in args.runs:

@@ -92,7 +92,7 @@ def main() -> None:
     rank, world = parallel.rank(), parallel.world_size()
     # Ray Train's get_device() under relay; here this process's GPU by torchrun's local rank.
     parallel.set_device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if gpu else "cpu")
-    # The CPUs a relay worker reserves (relay.trainer._worker_cpus): threads default to them.
+    # The CPUs a relay worker reserves (ScalingConfig.cpus_per_worker): threads default to them.
     reserved = (cfg.scaling.resources_per_worker or {}).get("CPU", 1.0)
     parallel.set_threads(cfg.scaling.threads_per_worker, reserved)
 

@@ -107,6 +107,11 @@ class ScalingConfig(_Section):
         return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
 
     @property
+    def cpus_per_worker(self) -> float:
+        """The CPUs each worker reserves (Ray's default: 1)."""
+        return (self.resources_per_worker or {}).get("CPU", 1.0)
+
+    @property
     def elastic(self) -> bool:
         return self.min_workers != self.max_workers
 

@@ -225,10 +225,6 @@ def _from_files(cfg: RunConfig, rows: dict[str, int] | None) -> RunData:
     return RunData(Ingest.RAY_DATA, rows["train"], datasets=planned)
 
 
-def _worker_cpus(cfg: RunConfig) -> float:
-    return (cfg.scaling.resources_per_worker or {}).get("CPU", 1.0)
-
-
 def cpus_to_start(cfg: RunConfig) -> int | None:
     """The CPUs an embedded cluster started for `cfg` advertises: the machine's, or, when it
     reads files and the workers would take every core, one more than the workers reserve, so
@@ -237,7 +233,9 @@ def cpus_to_start(cfg: RunConfig) -> int | None:
     if not cfg.data.from_files:
         return None
     cores = os.cpu_count() or 1
-    needed = math.ceil(cfg.scaling.max_workers * _worker_cpus(cfg) + max(1.0, cfg.data.cpus))
+    needed = math.ceil(
+        cfg.scaling.max_workers * cfg.scaling.cpus_per_worker + max(1.0, cfg.data.cpus)
+    )
     return max(cores, needed)
 
 
@@ -245,7 +243,7 @@ def check_cpus_for_reading(cfg: RunConfig) -> None:
     """Fail now, not by waiting forever, when the workers would leave Ray Data no CPU: its
     read tasks run beside the workers, and Ray Data 2.60 lists the files with a task of one
     whole CPU of its own (besides `data.cpus` per read task)."""
-    worker_cpus = _worker_cpus(cfg)
+    worker_cpus = cfg.scaling.cpus_per_worker
     total = ray.cluster_resources().get("CPU", 0.0)
     free = total - cfg.scaling.max_workers * worker_cpus
     needed = max(1.0, cfg.data.cpus)

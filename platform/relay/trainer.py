@@ -46,11 +46,6 @@ def new_run_id(name: str) -> str:
     return f"{name}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
-def _worker_cpus(cfg: RunConfig) -> float:
-    resources = cfg.scaling.resources_per_worker or {}
-    return resources.get("CPU", 1.0)
-
-
 def build_trainer(
     cfg: RunConfig,
     run_id: str,
@@ -83,7 +78,7 @@ def build_trainer(
     loop_config = {
         "run": cfg.model_dump(mode="json"),
         "run_dir": str(runs_root / run_id),
-        "cpus_per_worker": _worker_cpus(cfg),
+        "cpus_per_worker": cfg.scaling.cpus_per_worker,
         "train_rows": data.train_rows,
         "data": data.loop_data(),  # what each worker opens its batches from (relay.ingest)
         # Where a run without checkpoints of its own starts (a PBT exploit: another trial's).
