@@ -149,6 +149,24 @@ def _live(pg) -> bool:
     return pg.state in (pg.PENDING, pg.PREPARED, pg.CREATED, pg.RESCHEDULING)
 
 
+def _settled(job) -> bool:
+    """No Train controller of `job` alive, and no group made by one of its actors live.
+
+    PENDING groups count: a dead trial's pending group would be created (and hold its
+    CPUs) as soon as the ending trials free them. Only this job's are waited for; another
+    job's on a shared cluster are none of its doing.
+    """
+    from ray._private.state import state
+
+    if any(
+        _made_by_actor(pg) and _live(pg) and pg.creator_job_id == job.binary()
+        for pg in _placement_groups()
+    ):
+        return False
+    alive = state.actor_table(None, job_id=job, actor_state_name="ALIVE").values()
+    return not any(actor["ActorClassName"] == "TrainController" for actor in alive)
+
+
 def _dead(actor_id: bytes) -> bool:
     from ray._private.state import state
 
@@ -186,9 +204,17 @@ def release_orphaned_placement_groups() -> int:
 
 
 @contextmanager
-def reclaiming_orphans(interval_s: float = 2.0, settle_s: float = 10.0) -> Iterator[None]:
+def reclaiming_orphans(interval_s: float = 2.0, settle_s: float = 60.0) -> Iterator[None]:
     """Release orphaned placement groups every `interval_s` while the block runs, and at its
-    end until no group created by an actor remains (at most `settle_s`)."""
+    end until this job has no Train controller alive and no group made by an actor left
+    (at most `settle_s`).
+
+    The wait at the end matters: Tune returns once it has stopped its trial actors, but a
+    stopped trial's controller dies only when Ray propagates its owner's death. Until then
+    its group is no orphan yet, and a controller still alive may even request a new group
+    (a sweep's CI run was left with a PENDING one after a 10 s wait for groups alone).
+    """
+    job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
     try:
         with background.every(interval_s, release_orphaned_placement_groups, "relay-pg-reclaim"):
             yield
@@ -196,8 +222,6 @@ def reclaiming_orphans(interval_s: float = 2.0, settle_s: float = 10.0) -> Itera
         deadline = time.monotonic() + settle_s
         while time.monotonic() < deadline:
             release_orphaned_placement_groups()
-            # PENDING counts too: a dead trial's pending group would be created (and hold
-            # its CPUs) as soon as the ending trials free them.
-            if not any(_made_by_actor(pg) and _live(pg) for pg in _placement_groups()):
+            if _settled(job):
                 break
             time.sleep(0.5)
