@@ -211,13 +211,14 @@ def _survey_files(cfg: RunConfig, rows: dict[str, int] | None = None):
     """Datasets that read `data.path` on the cluster (relay/sources.py) and their rows per
     part: `rows` when known (a sweep's survey), else surveyed now, before any worker starts
     (which also checks the task's columns)."""
-    from relay import sources
+    from relay import cluster, sources
     from relay.tasks import build_task
 
     check_cpus_for_reading(cfg)
     task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
     planned = sources.datasets(cfg, task)
-    return planned, rows or sources.survey(cfg, task, planned)
+    # In the run's own runtime env: the processes it starts serve the run's first epoch.
+    return planned, rows or cluster.in_train_env(sources.survey, cfg, task, planned)
 
 
 def _from_files(cfg: RunConfig, rows: dict[str, int] | None) -> RunData:
