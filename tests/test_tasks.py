@@ -12,9 +12,16 @@ from relay.tasks.charlm import read_corpus
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.parametrize("name", sorted(BUILTIN))
-def test_debug_task_learns_in_one_process(name):
-    task = build_task(name, "debug")
+# The Hugging Face tasks' other families too (their presets are gpt2 and bert).
+OTHER_FAMILIES = [
+    ("hf-causal-lm", {"family": "llama"}),
+    ("hf-sequence-classification", {"family": "gpt2"}),
+]
+
+
+@pytest.mark.parametrize(("name", "model"), [(n, {}) for n in sorted(BUILTIN)] + OTHER_FAMILIES)
+def test_debug_task_learns_in_one_process(name, model):
+    task = build_task(name, "debug", model)
     split = task.load_data(val_fraction=0.2, seed=0)
     torch.manual_seed(0)
     model = task.build_model()

@@ -4,6 +4,8 @@ model.safetensors   full weights of the plain module — data, never pickled cod
 train_state.pt      optimizer state keyed by parameter name, scheduler and loss-scaler state
                     (tensors and numbers; loaded weights_only)
 meta.json           config, epoch, metrics, and the relay/ray/torch versions that wrote it
+(task assets)       whatever the task's `save_assets` adds: the Hugging Face tasks' config.json
+                    and tokenizer files, which make the directory a Hugging Face model too
 
 Whatever strategy and worker count wrote it (ddp, zero1 and fsdp gather their shards on rank 0
 first), the format is the same: a run resumes under another strategy or worker count with
@@ -219,5 +221,6 @@ def load_model(directory: str | Path):
 
     cfg = read_meta(directory)["config"]
     task = build_task(cfg["task"], cfg["size"], cfg.get("model"), cfg.get("data", {}).get("path"))
+    task.load_assets(Path(directory))
     model = load_weights(directory, task.build_model())
     return task, model.eval()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -105,6 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
     sweeps.add_argument("sweep_id", nargs="?", help="sweep id (or a unique prefix) for `show`")
     sweeps.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
     sweeps.add_argument("--json", action="store_true", help="print JSON")
+
+    tokens = sub.add_parser(
+        "tokenizer",
+        help="train a byte-level BPE tokenizer on text files, for the hf tasks' model.tokenizer",
+    )
+    tokens.add_argument("text", help="a text file, or a directory whose files are all read")
+    tokens.add_argument("--out", required=True, help="directory to write the tokenizer to")
+    tokens.add_argument("--vocab-size", type=int, default=4096, help="tokens (default: 4096)")
+    tokens.add_argument(
+        "--max-bytes", type=int, default=100_000_000, help="read at most this much text"
+    )
 
     serving.add_parser(sub)
     return parser
@@ -356,6 +368,28 @@ def _cmd_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tokenizer(args: argparse.Namespace) -> int:
+    try:
+        from relay.tasks.charlm import read_corpus
+        from relay.tasks.hf import tokenizer
+    except ImportError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    if args.vocab_size < 256 + len(tokenizer.SPECIAL):
+        return _fail("--vocab-size: at least 258 (the 256 bytes and 2 special tokens)", EXIT_USAGE)
+    try:
+        text = read_corpus(Path(args.text).expanduser(), args.max_bytes)
+    except (OSError, ValueError) as exc:
+        return _fail(f"{args.text}: {exc}", EXIT_USAGE)
+    lines = text.decode("utf-8", errors="replace").splitlines()
+    trained = tokenizer.train(lines, args.vocab_size)
+    tokenizer.save(trained, Path(args.out))
+    print(
+        f"{trained.get_vocab_size()} tokens from {len(text):,} bytes → {args.out} "
+        f"(use it with model.tokenizer: {args.out})"
+    )
+    return 0
+
+
 COMMANDS = {
     "train": _cmd_train,
     "tune": _cmd_tune,
@@ -366,6 +400,7 @@ COMMANDS = {
     "reference": _cmd_reference,
     "models": _cmd_models,
     "serve": serving.cmd_serve,
+    "tokenizer": _cmd_tokenizer,
 }
 
 

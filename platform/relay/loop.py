@@ -110,7 +110,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     epochs = Epochs(task, engine, scheduler, cfg)
     for epoch in range(start_epoch, cfg.epochs + 1):
         metrics = epochs.epoch(epoch, train_data.epoch(epoch), val_data.epoch(epoch))
-        _report(cfg, run_dir, epoch, metrics, engine, scheduler)
+        _report(cfg, run_dir, epoch, metrics, engine, scheduler, task)
 
     report = None
     if epochs.passes:
@@ -141,7 +141,7 @@ def _remove_orphaned_staging(run_dir: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, scheduler):
+def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, scheduler, task):
     """Report an epoch; every rank calls `ray.train.report` (a collective), rank 0 alone
     attaches the checkpoint and appends the epoch to the run's history."""
     if parallel.is_main():
@@ -154,6 +154,7 @@ def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, schedule
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory(prefix=_staging_prefix(run_dir)) as tmp:
+        task.save_assets(Path(tmp))  # before meta.json, which save_state writes last
         checkpoint.save_state(
             tmp,
             weights=weights,

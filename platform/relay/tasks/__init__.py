@@ -12,6 +12,9 @@ BUILTIN = {
     "regression": "relay.tasks.regression:RegressionTask",
     "digits": "relay.tasks.digits:DigitsTask",
     "charlm": "relay.tasks.charlm:CharLMTask",
+    # Hugging Face Transformers models (the `hf` extra)
+    "hf-causal-lm": "relay.tasks.hf.causal_lm:HFCausalLMTask",
+    "hf-sequence-classification": "relay.tasks.hf.classification:HFSequenceClassificationTask",
 }
 
 __all__ = ["BUILTIN", "Split", "Task", "TaskSize", "build_task", "resolve_task_class", "split_rows"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -205,6 +206,16 @@ class Task(ABC):
         them) and may change the number of rows (charlm packs lines into windows). Default: the
         batch as it is."""
         return batch
+
+    def save_assets(self, directory: Path) -> None:
+        """Write files a checkpoint needs besides weights, train state and meta.json (a
+        tokenizer, a model config), on rank 0 into the checkpoint's directory. Default: none."""
+        return
+
+    def load_assets(self, directory: Path) -> None:
+        """Take what `save_assets` wrote, when the task is rebuilt from a checkpoint (serving,
+        offline inference). Default: nothing to take."""
+        return
 
     def input_columns(self) -> dict[str, torch.dtype]:
         """The dtype each batch column is converted to on the way into torch."""

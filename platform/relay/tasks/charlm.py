@@ -7,13 +7,11 @@ every file can be encoded and every model can decode, with no vocabulary to stor
 
 from __future__ import annotations
 
-import math
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pydantic import ConfigDict, Field
 
 from relay.models import CharTransformer
@@ -27,13 +25,11 @@ from relay.tasks.base import (
     TaskSize,
     split_rows,
 )
+from relay.tasks.lm import generations, next_token_loss, per_token_metrics
 
 VOCAB_SIZE = 256
 MAX_PROMPT_CHARS = 4096  # longer prompts are cut to block_size bytes anyway: refuse, don't read
 MAX_NEW_TOKENS = 512
-# Below this temperature sampling is greedy decoding: logits / t would overflow float32 as t → 0,
-# and the limit of sampling at t → 0 is the argmax anyway.
-MIN_SAMPLING_TEMPERATURE = 1e-4
 
 
 class CharLMSize(TaskSize):
@@ -167,48 +163,24 @@ class CharLMTask(Task):
 
     def loss_and_stats(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, Batch]:
         tokens = batch["tokens"]
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        n = len(tokens)
-        chars = float(tokens[:, 1:].numel())
-        stats = {
-            "count": torch.tensor(float(n)),
-            "chars": torch.tensor(chars),
-            "loss_sum": loss.detach() * chars,
-        }
-        return loss, stats
+        return next_token_loss(model(tokens[:, :-1]), tokens, "chars")
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
-        loss = sums["loss_sum"] / max(sums["chars"], 1.0)
-        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+        return per_token_metrics(sums, "chars")
 
     def predict(
         self, model: torch.nn.Module, instances: list[CharLMInstance]
     ) -> list[CharLMPrediction]:
-        """Instances that can share a generate() call do: same (cropped) prompt length, same
-        max_new_tokens and temperature, no seed — the model has no padding mask, so prompts of
-        different lengths cannot share a batch. A seeded instance runs alone with its own
-        generator, so its text does not depend on what it was batched with."""
+        """One generate() call per group of instances that can share it (lm.generations)."""
         prompts = [
             list(instance.prompt.encode("utf-8"))[-self.hp.block_size :] for instance in instances
         ]
-        groups: dict[tuple, list[int]] = {}
-        for i, (instance, prompt) in enumerate(zip(instances, prompts, strict=True)):
-            solo = i if instance.seed is not None else None
-            key = (len(prompt), instance.max_new_tokens, instance.temperature, solo)
-            groups.setdefault(key, []).append(i)
         texts: list[str] = [""] * len(instances)
-        for (length, max_new_tokens, temperature, _), members in groups.items():
-            seed = instances[members[0]].seed
-            generator = torch.Generator().manual_seed(seed) if seed is not None else None
-            tokens = torch.tensor([prompts[i] for i in members], dtype=torch.long)
+        for members, tokens, max_new_tokens, temperature, generator in generations(
+            instances, prompts
+        ):
             with torch.inference_mode():
-                out = model.generate(
-                    tokens,
-                    max_new_tokens,
-                    temperature if temperature >= MIN_SAMPLING_TEMPERATURE else 0.0,
-                    generator=generator,
-                )
-            for i, row in zip(members, out[:, length:].tolist(), strict=True):
+                out = model.generate(tokens, max_new_tokens, temperature, generator=generator)
+            for i, row in zip(members, out[:, tokens.shape[1] :].tolist(), strict=True):
                 texts[i] = bytes(row).decode("utf-8", errors="replace")
         return [CharLMPrediction(text=text) for text in texts]
