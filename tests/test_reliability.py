@@ -204,7 +204,7 @@ FINAL_METRICS = ("train_loss", "val_loss", "val_accuracy", "train_accuracy")
 
 @pytest.mark.timeout(420)
 def test_sigkilled_workers_at_random_moments(ray_cluster, tmp_path):
-    """2 runs x 3-4 SIGKILLs of a random worker (rank 0 or 1) at a random moment.
+    """4 SIGKILLs of a random worker (rank 0 or 1) at random moments of one run.
 
     Tolerance of every epoch's metrics against an uninterrupted run: rel 1e-5 (losses, lr) and
     exact accuracies. A resumed run is the same computation: weights and AdamW moments come
@@ -218,7 +218,7 @@ def test_sigkilled_workers_at_random_moments(ray_cluster, tmp_path):
     rng = random.Random(20240608)
     started = time.time()
     tallies = []
-    for number, count in enumerate((3, 4)):
+    for number, count in enumerate((4,)):  # one run: CI time (two ran 7 kills, 190 s)
         storage = tmp_path / f"killed-{number}"
         killer = WorkerKiller(storage, count, epoch_s, rng)
         killer.start()
@@ -278,7 +278,7 @@ def test_sigkilled_workers_at_random_moments(ray_cluster, tmp_path):
                 for k, r in zip(ks, rs, strict=True)
             )
         )
-    assert len(kills) == 7
+    assert len(kills) == 4
 
 
 # --- damaged checkpoints given to the CLI ---------------------------------------------------------
