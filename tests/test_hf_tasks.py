@@ -119,6 +119,39 @@ def test_a_local_pretrained_directory_is_loaded_whole(tmp_path):
     assert small.config.vocab_size == 258
 
 
+def test_a_pretrained_directorys_own_wordpiece_tokenizer_keeps_its_special_tokens(tmp_path):
+    """A BERT-style tokenizer.json ([SEP], [PAD]) beside the weights: its own tokens end and
+    pad the texts, as the model was pretrained with them."""
+    from tokenizers import BertWordPieceTokenizer
+
+    wordpiece = BertWordPieceTokenizer()
+    wordpiece.train_from_iterator([TEXT], vocab_size=120)
+    wordpiece.save(str(tmp_path / "tokenizer.json"))
+    config = transformers.BertConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=wordpiece.get_vocab_size(),
+    )
+    transformers.BertModel(config).save_pretrained(tmp_path)
+    task = build_task("hf-sequence-classification", "debug", {"pretrained": str(tmp_path)})
+    assert (task.end_id, task.pad_id) == (
+        wordpiece.token_to_id("[SEP]"),
+        wordpiece.token_to_id("[PAD]"),
+    )
+    ids = task.preprocess({"text": ["return x"], "label": ["return"]})["input_ids"][0].tolist()
+    pad = wordpiece.token_to_id("[PAD]")
+    kept = wordpiece.encode("return x").ids
+    assert ids == kept + [pad] * (len(ids) - len(kept))  # padded with its own [PAD]
+    model = task.build_model()
+    (prediction,) = task.predict(model.eval(), task.validate_instances(["return x"]))
+    assert prediction.label in task.hp.labels
+    task.save_assets(tmp_path / "ckpt")
+    saved = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert saved["architectures"] == ["BertForSequenceClassification"]
+
+
 @pytest.mark.parametrize("name", ["hf-causal-lm", "hf-sequence-classification"])
 def test_a_checkpoint_is_a_hugging_face_model_directory(tmp_path, name):
     """relay's checkpoint files plus config.json and the tokenizer: transformers' Auto classes

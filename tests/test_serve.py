@@ -59,6 +59,7 @@ def make_version(storage: Path, task_name: str, steps: int, model_name: str | No
     directory = storage / "runs" / run_id / "epoch_0000"
     meta = {"epoch": 1, "metrics": {}, "config": cfg.model_dump(mode="json")}
     checkpoint.save(directory, model.eval(), meta=meta)
+    task.save_assets(directory)  # e.g. a Hugging Face task's config.json and tokenizer
     entry = {"checkpoint": str(directory), "run_id": run_id, "task": task_name, "score": None}
     name = model_name or registry.default_model_name(task_name)
     return registry.register_version(storage, name, entry)
@@ -83,6 +84,7 @@ def storage(tmp_path_factory) -> Path:
     make_version(root, "digits", steps=40)
     make_version(root, "charlm", steps=5)
     make_version(root, "regression", steps=5)
+    make_version(root, "hf-causal-lm", steps=5)
     return root
 
 
@@ -292,6 +294,24 @@ def test_charlm_continues_a_prompt(ray_cluster, base_url, storage):
     response = predict(f"{base_url}/charlm", {"instances": [too_long]}, name="charlm")
     assert response.status_code == 422
     assert response.json()["detail"][0]["loc"] == "instances.0.max_new_tokens"
+
+
+def test_hugging_face_causal_lm_generates_as_offline(ray_cluster, base_url, storage):
+    """Served from its checkpoint alone (config and tokenizer saved in it), seeded sampling
+    included; the context bounds max_new_tokens."""
+    deploy(ray_cluster, storage, "/hf", model="hf-causal-lm:best")
+    instances = [
+        {"prompt": "import ", "max_new_tokens": 12, "seed": 1},
+        {"prompt": "def main(", "max_new_tokens": 8, "temperature": 0},
+    ]
+    response = predict(f"{base_url}/hf", {"instances": instances}, name="hf-causal-lm")
+    assert response.status_code == 200, response.text
+    assert response.json()["predictions"] == offline_predictions(
+        storage, "hf-causal-lm:best", instances
+    )
+    too_long = {"prompt": "x", "max_new_tokens": 128}  # the debug context is 128 tokens
+    response = predict(f"{base_url}/hf", {"instances": [too_long]}, name="hf-causal-lm")
+    assert response.status_code == 422 and "context" in response.text
 
 
 def test_regression_checks_the_feature_count(ray_cluster, base_url, storage):

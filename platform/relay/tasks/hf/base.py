@@ -95,8 +95,7 @@ class HFTask(Task):
         super().__init__(size, model, data_path)
         self._saved: Path | None = None  # a checkpoint's own config (load_assets)
         self.tokenizer = tokenizer.load(_tokenizer_source(self.hp))
-        self.pad_id = self.tokenizer.token_to_id(tokenizer.PAD)
-        self.end_id = self.tokenizer.token_to_id(tokenizer.END)
+        self.end_id, self.pad_id = tokenizer.special_ids(self.tokenizer)
 
     @property
     def context(self) -> int:
@@ -154,10 +153,10 @@ class HFTask(Task):
         """config.json and the tokenizer beside the weights: the checkpoint is then a model
         directory `transformers.AutoModel*.from_pretrained` loads."""
         config = self.model_config()
-        if self.hp.pretrained is None:
-            config.architectures = [
-                families.FAMILIES[self.hp.family].model_class(self.head).__name__
-            ]
+        family = families.FAMILIES.get(config.model_type)
+        if family is not None and getattr(family, self.head) is not None:
+            # This task's head (a classifier fine-tuned from a causal LM is no longer one).
+            config.architectures = [getattr(family, self.head)]
         config.save_pretrained(str(directory))
         tokenizer.save(self.tokenizer, directory)
 
@@ -168,3 +167,4 @@ class HFTask(Task):
             self._saved = Path(directory)
         if tokenizer.has_tokenizer(directory):
             self.tokenizer = tokenizer.load(directory)
+            self.end_id, self.pad_id = tokenizer.special_ids(self.tokenizer)

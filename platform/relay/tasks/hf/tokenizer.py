@@ -7,8 +7,9 @@ Two kinds, both byte-level BPE (GPT-2's scheme, so every text encodes and nothin
   with merges learnt up to a vocabulary size.
 
 Either way two special tokens are added: END (end of text; generation stops at it) and PAD.
-A checkpoint carries its tokenizer in Hugging Face's layout (`save`), so
-`transformers.AutoTokenizer.from_pretrained(checkpoint)` loads it too.
+A pretrained directory's own tokenizer.json may name them otherwise ("</s>", "[SEP]", "[PAD]",
+...; without a padding token, END pads). A checkpoint carries its tokenizer in Hugging Face's
+layout (`save`), so `transformers.AutoTokenizer.from_pretrained(checkpoint)` loads it too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ END = "<|endoftext|>"
 PAD = "<|pad|>"
 SPECIAL = [END, PAD]
 FILE = "tokenizer.json"
+# The names other tokenizers give these two roles, relay's first.
+END_NAMES = (END, "</s>", "[SEP]", "<|end_of_text|>", "<eos>")
+PAD_NAMES = (PAD, "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
 
 
 def _byte_level(tokenizer: Tokenizer) -> Tokenizer:
@@ -63,10 +67,21 @@ def load(source: str | Path) -> Tokenizer:
     if not file.is_file():
         raise FileNotFoundError(f"no {FILE} at {path} (train one with `relay tokenizer`)")
     tokenizer = Tokenizer.from_file(str(file))
-    for token in SPECIAL:
-        if tokenizer.token_to_id(token) is None:
-            raise ValueError(f"{file} lacks the special token {token!r} relay needs")
+    special_ids(tokenizer, where=file)  # fails now, naming the file, when END has no token
     return tokenizer
+
+
+def special_ids(tokenizer: Tokenizer, where: object = "the tokenizer") -> tuple[int, int]:
+    """(end of text, padding) token ids; padding falls back to end of text."""
+
+    def first(names: tuple[str, ...]) -> int | None:
+        ids = [tokenizer.token_to_id(name) for name in names]
+        return next((i for i in ids if i is not None), None)
+
+    end, pad = first(END_NAMES), first(PAD_NAMES)
+    if end is None:
+        raise ValueError(f"{where} has no end-of-text token (one of {', '.join(END_NAMES)})")
+    return end, end if pad is None else pad
 
 
 def has_tokenizer(directory: str | Path) -> bool:
@@ -77,6 +92,7 @@ def save(tokenizer: Tokenizer, directory: str | Path) -> None:
     """Write `tokenizer` in Hugging Face's layout (tokenizer.json, tokenizer_config.json)."""
     from transformers import PreTrainedTokenizerFast
 
+    end, pad = (tokenizer.id_to_token(i) for i in special_ids(tokenizer))
     PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=END, eos_token=END, pad_token=PAD
+        tokenizer_object=tokenizer, bos_token=end, eos_token=end, pad_token=pad
     ).save_pretrained(str(directory))
