@@ -257,6 +257,16 @@ def test_a_hash_split_of_files_is_stable_and_a_missing_column_is_named(ray_clust
         with pytest.raises(ValueError, match=r"data.columns: the files have no column 'nope'"):
             ingest.prepare(bad)
 
+    # Workers that would leave Ray Data's read tasks no CPU fail now, not by waiting forever:
+    # the test cluster has 4 CPUs; 3 workers of 1 leave the 0.5 a read task takes, 4 do not.
+    fits = _file_config(tmp_path, val_fraction=0.25)
+    fits["scaling"]["num_workers"] = 3
+    ingest.check_cpus_for_reading(from_dict(fits))
+    full = _file_config(tmp_path, val_fraction=0.25)
+    full["scaling"]["num_workers"] = 4
+    with pytest.raises(ValueError, match=r"data.cpus: reading files needs 0.5 CPU"):
+        ingest.prepare(from_dict(full))
+
 
 def _survey(cfg_dict: dict) -> dict[str, int]:
     cfg = from_dict(cfg_dict)

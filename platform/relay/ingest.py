@@ -234,20 +234,17 @@ def cpus_to_start(cfg: RunConfig) -> int | None:
     if not cfg.data.from_files:
         return None
     cores = os.cpu_count() or 1
-    needed = math.ceil(
-        cfg.scaling.max_workers * cfg.scaling.cpus_per_worker + max(1.0, cfg.data.cpus)
-    )
+    needed = math.ceil(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker + cfg.data.cpus)
     return max(cores, needed)
 
 
 def check_cpus_for_reading(cfg: RunConfig) -> None:
     """Fail now, not by waiting forever, when the workers would leave Ray Data no CPU: its
-    read tasks run beside the workers, and Ray Data 2.60 lists the files with a task of one
-    whole CPU of its own (besides `data.cpus` per read task)."""
+    read tasks (`data.cpus` each) run beside the workers."""
     worker_cpus = cfg.scaling.cpus_per_worker
     total = ray.cluster_resources().get("CPU", 0.0)
     free = total - cfg.scaling.max_workers * worker_cpus
-    needed = max(1.0, cfg.data.cpus)
+    needed = cfg.data.cpus
     if free < needed:
         raise ValueError(
             f"data.cpus: reading files needs {needed:g} CPU(s) beside the workers, but the "
