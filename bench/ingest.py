@@ -10,7 +10,8 @@ How fast data reaches 2 trainer workers, three ways, in one run, over the same r
 - `dataloader`: plain PyTorch: 2 trainer processes, each with a `torch.utils.data.DataLoader`
   of 1 worker process (2 reader processes in all, as Ray Data's tasks get the 2 CPUs the
   trainers leave), reading its half of the same Parquet files with pyarrow and running the same
-  `preprocess`.
+  `preprocess`; shuffled as relay shuffles streamed files (a new seeded file order each epoch,
+  batches drawn at random from a buffer of 4 batches' rows), so both sides do the same work.
 
 The ranks only iterate their batches (no model): what is timed is delivery. Each side runs
 `--epochs` epochs per repeat, the first left out as warm-up; a side's rate is rows delivered to
@@ -42,6 +43,7 @@ import torch
 
 from relay import cluster, ingest, trainer
 from relay.config import RunConfig, from_dict
+from relay.data import SHUFFLE_BUFFER_BATCHES
 from relay.tasks import build_task
 
 SIDES = ("ray_data", "in_memory", "dataloader")
@@ -169,20 +171,32 @@ def in_memory_data(cfg: RunConfig) -> ingest.RunData:
 
 
 class ParquetWindows(torch.utils.data.IterableDataset):
-    """One rank's files, batch by batch: read with pyarrow, tokenised by the task's
-    `preprocess`, cut into batches of `batch_size` windows."""
+    """One rank's files, batch by batch: read with pyarrow in a new seeded order each epoch,
+    tokenised by the task's `preprocess`, and batches of `batch_size` windows drawn at random
+    from a buffer of relay's default `data.shuffle_buffer` of batches' rows."""
 
     def __init__(self, files: list[str], cfg_dict: dict, batch_size: int) -> None:
         self.files, self.cfg_dict, self.batch_size = files, cfg_dict, batch_size
+        self.epoch = 0  # counted in the (persistent) worker process's copy
 
     def __iter__(self):
+        self.epoch += 1
+        rng = np.random.default_rng(self.epoch)
         task = build_task(self.cfg_dict["task"], self.cfg_dict["size"])
-        for file in self.files:
-            for record_batch in pq.ParquetFile(file).iter_batches(batch_size=4_096):
+        buffer_rows = SHUFFLE_BUFFER_BATCHES * self.batch_size
+        buffer = None
+        for index in rng.permutation(len(self.files)):
+            for record_batch in pq.ParquetFile(self.files[index]).iter_batches(batch_size=4_096):
                 text = record_batch.column("text").to_numpy(zero_copy_only=False)
                 tokens = task.preprocess({"text": text})["tokens"]
-                for lo in range(0, len(tokens), self.batch_size):
-                    yield torch.as_tensor(tokens[lo : lo + self.batch_size], dtype=torch.long)
+                buffer = tokens if buffer is None else np.concatenate([buffer, tokens])
+                while len(buffer) >= buffer_rows:
+                    order = rng.permutation(len(buffer))
+                    yield torch.as_tensor(buffer[order[: self.batch_size]], dtype=torch.long)
+                    buffer = buffer[order[self.batch_size :]]
+        if buffer is not None:
+            for lo in range(0, len(buffer), self.batch_size):
+                yield torch.as_tensor(buffer[lo : lo + self.batch_size], dtype=torch.long)
 
 
 def _dataloader_rank(rank: int, files: list[str], cfg_dict: dict, args, epochs: int, out):

@@ -12,6 +12,7 @@ number of steps, or the gradient all-reduce of the longer rank waits forever.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -24,6 +25,7 @@ from relay.epochs import CachedBatches, to_tensors
 from relay.tasks.base import Batch, Columns, Split
 
 BLOCKS = 8  # enough blocks for the split to spread, few enough to stay cheap
+SHUFFLE_BUFFER_BATCHES = 4  # streaming: a worker's local shuffle buffer, in batches (default)
 
 
 def _to_dataset(columns: Columns) -> ray.data.Dataset:
@@ -69,7 +71,7 @@ class ShardBatches:
         shuffle_buffer: int | None = None,
     ) -> None:
         self._shard = ray.train.get_dataset_shard(name)
-        self._shuffle_buffer = shuffle_buffer or 4 * batch_size
+        self._shuffle_buffer = shuffle_buffer or SHUFFLE_BUFFER_BATCHES * batch_size
         self._batch_size = batch_size
         self._dtypes = dtypes
         self._device = device
@@ -77,6 +79,7 @@ class ShardBatches:
         self._shuffle = shuffle
         self._seed = seed
         self._cached: CachedBatches | None = None
+        self._started: _Started | None = None
 
     def _materialize(self) -> Batch:
         parts = list(self._shard.iter_batches(batch_size=None, batch_format="numpy"))
@@ -93,12 +96,24 @@ class ShardBatches:
                 seed=self._seed,
             )
 
-    def epoch(self, epoch: int) -> Iterator[Batch]:
-        if not self._cache:
-            yield from self._stream(epoch)
+    def epoch(self, epoch: int, *, next_epoch: int | None = None) -> Iterator[Batch]:
+        """This worker's batches of `epoch`; streaming, `next_epoch` starts to stream as soon
+        as this epoch's last batch is out.
+
+        Ray Data runs each epoch as a new execution of the plan, 0.2-0.3 s here from its start
+        to the first batch; started when the training pass ends, it overlaps validation and the
+        checkpoint instead of the next training pass."""
+        if self._cache:
+            self.load()
+            yield from self._cached.epoch(epoch)
             return
-        self.load()
-        yield from self._cached.epoch(epoch)
+        started, self._started = self._started, None
+        if started is not None and started.epoch != epoch:
+            started.close()
+            started = None
+        yield from started if started is not None else self._stream(epoch)
+        if next_epoch is not None:
+            self._started = _Started(next_epoch, self._stream(next_epoch))
 
     def _stream(self, epoch: int) -> Iterator[Batch]:
         buffer = self._shuffle_buffer if self._shuffle else None
@@ -109,3 +124,37 @@ class ShardBatches:
             local_shuffle_seed=self._seed * 100_003 + epoch if self._shuffle else None,
         ):
             yield to_tensors(batch, self._dtypes, self._device)
+
+
+class _Started:
+    """An epoch's batches whose first one is being fetched in a background thread (the
+    iteration, and so Ray Data's execution of the epoch, starts now)."""
+
+    def __init__(self, epoch: int, batches: Iterator[Batch]) -> None:
+        self.epoch = epoch
+        self._batches = batches
+        self._first: list[Batch] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._fetch_first, name=f"relay-epoch-{epoch}-first-batch", daemon=True
+        )
+        self._thread.start()
+
+    def _fetch_first(self) -> None:
+        try:
+            self._first.append(next(self._batches))
+        except StopIteration:
+            pass
+        except BaseException as error:  # raised where the batches are consumed
+            self._error = error
+
+    def __iter__(self) -> Iterator[Batch]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        yield from self._first
+        yield from self._batches
+
+    def close(self) -> None:
+        self._thread.join()
+        self._batches.close()

@@ -292,7 +292,8 @@ class ObjectStoreBatches:
             seed=self._seed,
         )
 
-    def epoch(self, epoch: int) -> Iterator[Batch]:
+    def epoch(self, epoch: int, *, next_epoch: int | None = None) -> Iterator[Batch]:
+        """This rank's batches of `epoch` (`next_epoch`: nothing to start ahead, all in memory)."""
         self.load()
         yield from self._cached.epoch(epoch)
 

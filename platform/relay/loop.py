@@ -109,7 +109,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
 
     epochs = Epochs(task, engine, scheduler, cfg)
     for epoch in range(start_epoch, cfg.epochs + 1):
-        metrics = epochs.epoch(epoch, train_data.epoch(epoch), val_data.epoch(epoch))
+        following = epoch + 1 if epoch < cfg.epochs else None
+        train = train_data.epoch(epoch, next_epoch=following)
+        metrics = epochs.epoch(epoch, train, val_data.epoch(epoch))
         _report(cfg, run_dir, epoch, metrics, engine, scheduler, task)
 
     report = None
