@@ -94,16 +94,21 @@ class HFTask(Task):
     def __init__(self, size="default", model=None, data_path=None) -> None:
         super().__init__(size, model, data_path)
         self._saved: Path | None = None  # a checkpoint's own config (load_assets)
+        self._context: int | None = None  # read from a config file once, not per request
         self.tokenizer = tokenizer.load(_tokenizer_source(self.hp))
         self.end_id, self.pad_id = tokenizer.special_ids(self.tokenizer)
 
     @property
     def context(self) -> int:
         """The most positions the model takes."""
-        if self.hp.pretrained is None:
+        if self.hp.pretrained is None and self._saved is None:
             return self.hp.context
-        config = self.model_config()
-        return int(getattr(config, "n_positions", None) or config.max_position_embeddings)
+        if self._context is None:
+            config = self.model_config()
+            self._context = int(
+                getattr(config, "n_positions", None) or config.max_position_embeddings
+            )
+        return self._context
 
     def head_fields(self) -> dict[str, Any]:
         """Config fields the task's head needs (labels for a classifier)."""
@@ -165,6 +170,7 @@ class HFTask(Task):
         tokenizer or pretrained directory it was trained from may be gone."""
         if (Path(directory) / "config.json").is_file():
             self._saved = Path(directory)
+            self._context = None
         if tokenizer.has_tokenizer(directory):
             self.tokenizer = tokenizer.load(directory)
             self.end_id, self.pad_id = tokenizer.special_ids(self.tokenizer)
