@@ -122,3 +122,16 @@ def cli_in_fresh_interpreter(
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def tensorboard_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the TensorBoard event files of `logdir`, read by TensorBoard's own
+    reader: tag → [(step, value), ...] in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {
+        tag: sorted((e.step, e.value) for e in events.Scalars(tag))
+        for tag in events.Tags()["scalars"]
+    }

@@ -7,7 +7,9 @@ import subprocess
 
 import pytest
 import yaml
-from support import BIN, REPO, subprocess_env
+from support import BIN, REPO, subprocess_env, tensorboard_scalars
+
+from relay import history
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,7 +29,7 @@ def relay(*args: str, storage, check: bool = True) -> subprocess.CompletedProces
 def test_train_json_runs_and_show(tmp_path):
     out = relay(
         "train", "examples/sine.yaml", "--set", "size=debug", "--set", "epochs=3", "--json",
-        storage=tmp_path,
+        "--set", "tracking.tensorboard=true", storage=tmp_path,
     )  # fmt: skip
     lines = out.stdout.strip().splitlines()
     # Quiet by default: a header, one line per epoch, the efficiency report, where the model
@@ -49,6 +51,14 @@ def test_train_json_runs_and_show(tmp_path):
 
     listed = relay("runs", storage=tmp_path).stdout
     assert result["run_id"] in listed and "finished" in listed
+
+    # TensorBoard has every epoch of the run, as TensorBoard's own reader reads them back.
+    history_epochs = history.read(tmp_path / "runs" / result["run_id"])
+    scalars = tensorboard_scalars(tmp_path / "runs" / result["run_id"] / "tensorboard")
+    assert {"train/loss", "val/loss", "run/samples_per_s", "run/lr"} <= set(scalars)
+    assert scalars["val/loss"] == [
+        (e["epoch"], pytest.approx(e["val_loss"], rel=1e-6)) for e in history_epochs
+    ]
 
     shown = json.loads(
         relay("runs", "show", result["run_id"][:12], "--json", storage=tmp_path).stdout

@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
-from support import REPO, free_port
+from support import REPO, free_port, tensorboard_scalars
 
 import relay
 from relay import checkpoint, history, registry, sweep
@@ -42,6 +43,7 @@ def strategy_sweep(ray_cluster, relay_home):
                 "optim": {"lr": 0.01},
                 "parallel": {"mixed_precision": "bf16", "grad_accum": 2},
                 "scaling": {"resources_per_worker": {"CPU": 0.5}},
+                "tracking": {"tensorboard": True},
             },
             "search": {"parallel.strategy": {"grid": ["ddp", "zero1", "fsdp"]}},
             "num_samples": 1,
@@ -69,6 +71,9 @@ def test_every_strategy_trains_through_a_sweep(strategy_sweep):
         assert [e["epoch"] for e in epochs] == list(range(1, EPOCHS + 1))
         assert epochs[-1]["val_loss"] < epochs[0]["val_loss"] - 0.2, (strategy, epochs)
         assert run["efficiency"]["strategy"] == strategy
+        # Each trial writes TensorBoard files of its own, every epoch in them.
+        scalars = tensorboard_scalars(Path(run["run_dir"]) / "tensorboard")
+        assert [step for step, _ in scalars["val/loss"]] == list(range(1, EPOCHS + 1))
 
 
 def _train_rows(run: dict) -> int:

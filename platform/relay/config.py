@@ -193,6 +193,14 @@ class FailureConfig(_Section):
     )
 
 
+class TrackingConfig(_Section):
+    tensorboard: bool = Field(
+        False,
+        description="Write each epoch's metrics as TensorBoard event files in the run's "
+        "directory (`tensorboard --logdir <storage>/runs` shows every run and trial).",
+    )
+
+
 FileFormat = Literal["parquet", "csv", "jsonl", "text", "images"]
 
 
@@ -308,6 +316,9 @@ class RunConfig(_Section):
     )
     failure: FailureConfig = Field(default_factory=FailureConfig, description="Fault tolerance.")
     data: DataConfig = Field(default_factory=DataConfig, description="Data loading and split.")
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, description="Where else each epoch's metrics go."
+    )
     seed: int = Field(0, ge=0, description="Seeds model init, data split and shuffling.")
     storage: str | None = Field(
         None,

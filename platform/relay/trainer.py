@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from relay import checkpoint, cluster, console, efficiency, history, registry
+from relay import checkpoint, cluster, console, efficiency, history, registry, tracking
 from relay.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ def fit(
         )
 
     # The failure clock stamps worker-group restarts: the efficiency report's start-up.
-    callbacks = [*(callbacks or []), failure_clock(run_dir)]
+    callbacks = [*(callbacks or []), failure_clock(run_dir), *tracking.callbacks(cfg, run_dir)]
     trainer = build_trainer(cfg, run_id, run_data, callbacks, init_checkpoint)
     try:
         with console.follow(run_dir, cfg.epochs, out):

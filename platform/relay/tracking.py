@@ -1,0 +1,83 @@
+"""Each epoch's metrics sent to the tools people watch runs in (`tracking:` in the config).
+
+Written from Ray Train's controller, by a `UserCallback` (`after_report` gets every rank's
+report), not from the workers: a worker group that restarts after a failure does not open a
+second writer, and every trial of a sweep writes its own run's files. A tracker that cannot
+write never costs the training: it warns once and stops; history.jsonl keeps every epoch.
+
+TensorBoard: event files (tensorboardX, which Ray already installs) in `<run_dir>/tensorboard`,
+one scalar per numeric metric with the epoch as its step, grouped as TensorBoard shows them:
+`train/loss`, `val/accuracy`, `run/samples_per_s`. A resumed run writes to the same
+directory; TensorBoard reads its files as one run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from numbers import Real
+from pathlib import Path
+from typing import Any
+
+import ray.train
+
+TENSORBOARD_DIR = "tensorboard"
+
+
+def scalar_tags(metrics: dict[str, Any]) -> dict[str, float]:
+    """A report's numeric metrics under TensorBoard tags (`train_loss` → `train/loss`); the
+    epoch is the step, not a scalar."""
+    tags = {}
+    for name, value in metrics.items():
+        if name == "epoch" or isinstance(value, bool) or not isinstance(value, Real):
+            continue
+        if not math.isfinite(value):
+            continue
+        group, _, rest = name.partition("_")
+        tag = f"{group}/{rest}" if group in ("train", "val") and rest else f"run/{name}"
+        tags[tag] = float(value)
+    return tags
+
+
+class TensorBoardTracker(ray.train.UserCallback):
+    """Rank 0's report of each epoch as TensorBoard scalars (runs on the controller).
+
+    Each report is written by a writer of its own, closed before the callback returns:
+    tensorboardX writes from a background thread that `flush()` does not wait for, and only
+    `close()` drains it, so an epoch is on disk when the next step of training begins (and
+    survives the controller's exit). One small event file per epoch; TensorBoard reads a
+    directory's files as one run."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.logdir = Path(run_dir) / TENSORBOARD_DIR
+        self._broken = False
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        if self._broken or not metrics or "epoch" not in metrics[0]:
+            return
+        report, epoch = metrics[0], int(metrics[0]["epoch"])
+        try:
+            from tensorboardX import SummaryWriter
+
+            # The suffix keeps two epochs written within one second in files of their own.
+            writer = SummaryWriter(
+                logdir=str(self.logdir), filename_suffix=f".{os.getpid()}.{epoch}"
+            )
+            try:
+                for tag, value in scalar_tags(report).items():
+                    writer.add_scalar(tag, value, global_step=epoch)
+            finally:
+                writer.close()
+        except OSError as error:
+            self._broken = True
+            print(
+                f"relay: TensorBoard files in {self.logdir} could not be written "
+                f"({error.strerror or error}); training goes on, history.jsonl has every epoch",
+                file=sys.stderr,
+            )
+
+
+def callbacks(cfg, run_dir: Path) -> list[ray.train.UserCallback]:
+    """The trackers `cfg.tracking` turns on, as Ray Train callbacks."""
+    return [TensorBoardTracker(run_dir)] if cfg.tracking.tensorboard else []
