@@ -92,13 +92,14 @@ def test_config_prints_the_resolved_config(tmp_path):
 def test_resume_a_run_on_another_worker_count_and_strategy(tmp_path):
     first = relay(
         "train", "jobs/configs/charlm.yaml", "--set", "size=debug", "--set", "epochs=2",
-        "--json", storage=tmp_path,
+        "--set", "tracking.tensorboard=true", "--json", storage=tmp_path,
     )  # fmt: skip
     run = json.loads(first.stdout.strip().splitlines()[-1])
     resumed = relay(
         "train", "jobs/configs/charlm.yaml", "--set", "size=debug", "--set", "epochs=4",
         "--set", "scaling.num_workers=1", "--set", "parallel.strategy=fsdp",
-        "--resume", run["run_id"], "--json", storage=tmp_path,
+        "--set", "tracking.tensorboard=true", "--resume", run["run_id"], "--json",
+        storage=tmp_path,
     )  # fmt: skip
     result = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert result["run_id"] == run["run_id"]
@@ -109,6 +110,10 @@ def test_resume_a_run_on_another_worker_count_and_strategy(tmp_path):
     assert [(e["epoch"], e["workers"]) for e in history] == [(1, 2), (2, 2), (3, 1), (4, 1)]
     assert history[2]["train_loss"] < history[1]["train_loss"] < history[0]["train_loss"]
     assert epochs["resumes"] == 1 and epochs["config"]["parallel"]["strategy"] == "fsdp"
+    # TensorBoard's curves go on where the first run's ended, in the same run directory.
+    scalars = tensorboard_scalars(tmp_path / "runs" / run["run_id"] / "tensorboard")
+    assert [step for step, _ in scalars["run/workers"]] == [1, 2, 3, 4]
+    assert [value for _, value in scalars["run/workers"]] == [2, 2, 1, 1]
 
     changed_model = relay(
         "train", "jobs/configs/charlm.yaml", "--set", "size=debug", "--set", "model.d_model=64",
