@@ -168,16 +168,24 @@ def _read_parquet(path: str, **options: Any) -> ray.data.Dataset:
     with the `map_batches` after it, so every block would go through the object store twice
     (in the larger-than-memory test, a 75 MiB store: 3x slower). A file is then read by one task,
     in batches, so a dataset of few large files is read with few tasks."""
+    import logging
+
     import ray.data
 
     files = len(_parquet_footers(path).files)
     context = ray.data.DataContext.get_current()
-    was = context.use_datasource_v2
-    context.use_datasource_v2 = False
+    # Also quiet while planning: V1 samples two files for their encoding ratio with a progress
+    # bar and two INFO lines on the driver's terminal, for every Dataset it builds.
+    saved = context.use_datasource_v2, context.enable_progress_bars
+    context.use_datasource_v2, context.enable_progress_bars = False, False
+    planner_log = logging.getLogger("ray.data._internal.datasource.parquet_datasource")
+    log_level = planner_log.level
+    planner_log.setLevel(logging.WARNING)
     try:
         return ray.data.read_parquet(_paths(path), override_num_blocks=max(1, files), **options)
     finally:
-        context.use_datasource_v2 = was
+        context.use_datasource_v2, context.enable_progress_bars = saved
+        planner_log.setLevel(log_level)
 
 
 def _read(data, path: str, task: Task, *, seed: int, shuffle_files: bool) -> ray.data.Dataset:
