@@ -153,7 +153,7 @@ def _label_images(batch: Columns, classes: dict[str, int]) -> Columns:
     return {**batch, "label": labels}
 
 
-def _read_parquet(path: str, **options: Any) -> ray.data.Dataset:
+def _read_parquet(path: str, files: int | None = None, **options: Any) -> ray.data.Dataset:
     """Parquet files through Ray Data's file-based (V1) reader, one read task per file.
 
     Ray Data 2.60's default Parquet reader (DataSourceV2) lists the files again in every
@@ -167,12 +167,14 @@ def _read_parquet(path: str, **options: Any) -> ray.data.Dataset:
     per cluster CPU and splits each file's output to get there, and a split read cannot fuse
     with the `map_batches` after it, so every block would go through the object store twice
     (in the larger-than-memory test, a 75 MiB store: 3x slower). A file is then read by one task,
-    in batches, so a dataset of few large files is read with few tasks."""
+    in batches, so a dataset of few large files is read with few tasks. `files`: their number,
+    when the caller has listed them already."""
     import logging
 
     import ray.data
 
-    files = len(_parquet_footers(path).files)
+    if files is None:
+        files = len(_parquet_footers(path).files)
     context = ray.data.DataContext.get_current()
     # Also quiet while planning: V1 samples two files for their encoding ratio with a progress
     # bar and two INFO lines on the driver's terminal, for every Dataset it builds.
@@ -349,7 +351,6 @@ def _parquet_footers(path: str):
 
 
 def _survey_parquet(cfg: RunConfig, task: Task) -> dict[str, int]:
-
     data = cfg.data
     train = _parquet_footers(data.path)
     names = set(train.schema.names)
@@ -360,7 +361,7 @@ def _survey_parquet(cfg: RunConfig, task: Task) -> dict[str, int]:
     if data.val is not None:
         return {"train": train.count_rows(), "val": _parquet_footers(data.val).count_rows()}
     # Only the key column is read, on the cluster (the driver holds none of it).
-    keys = _read_parquet(data.path, columns=[data.split_key], num_cpus=data.cpus)
+    keys = _read_parquet(data.path, len(train.files), columns=[data.split_key], num_cpus=data.cpus)
     tallies = keys.map_batches(
         functools.partial(_tally_split, data=data), batch_format="numpy", num_cpus=data.cpus
     ).take_all()
