@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,3 +136,46 @@ def tensorboard_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
         tag: sorted((e.step, e.value) for e in events.Scalars(tag))
         for tag in events.Tags()["scalars"]
     }
+
+
+@contextlib.contextmanager
+def mlflow_server(directory: Path):
+    """A real `mlflow server` on a free loopback port (its runs in SQLite, its artifacts in
+    `directory`), in a session of its own; yields (URI, the server's Popen). Ends every
+    process of that session, also when a test stopped it already."""
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    log = open(directory / "mlflow-server.log", "w")  # noqa: SIM115 (closed below)
+    server = subprocess.Popen(
+        [
+            str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+            "--workers", "1",
+            "--backend-store-uri", f"sqlite:///{directory / 'mlflow.db'}",
+            "--artifacts-destination", str(directory / "artifacts"),
+        ],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=directory,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"{uri}/health", timeout=2) as answer,
+            ):
+                if answer.status == 200:
+                    break
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"mlflow server did not start: {(directory / 'mlflow-server.log').read_text()}"
+                )
+            time.sleep(0.5)
+        yield uri, server
+    finally:
+        stop_session(server)
+        log.close()
+
+
+def mlflow_client(uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)

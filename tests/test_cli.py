@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
+import ray
+import torch
 import yaml
-from support import BIN, REPO, subprocess_env, tensorboard_scalars
+from support import (
+    BIN,
+    REPO,
+    mlflow_client,
+    mlflow_server,
+    stop_session,
+    subprocess_env,
+    tensorboard_scalars,
+)
 
-from relay import history
+from relay import history, registry
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,22 +38,33 @@ def relay(*args: str, storage, check: bool = True) -> subprocess.CompletedProces
     )
 
 
-def test_train_json_runs_and_show(tmp_path):
+@pytest.fixture(scope="module")
+def mlflow(tmp_path_factory):
+    """A real MLflow server for this module's runs: (URI, its process). The last test of the
+    module stops it."""
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server
+
+
+def test_train_json_runs_and_show(tmp_path, mlflow):
+    uri, _ = mlflow
     out = relay(
         "train", "examples/sine.yaml", "--set", "size=debug", "--set", "epochs=3", "--json",
-        "--set", "tracking.tensorboard=true", storage=tmp_path,
+        "--set", "tracking.tensorboard=true", "--set", f"tracking.mlflow.uri={uri}",
+        "--set", "tracking.mlflow.experiment=cli-train", storage=tmp_path,
     )  # fmt: skip
     lines = out.stdout.strip().splitlines()
     # Quiet by default: a header, one line per epoch, the efficiency report, where the model
-    # is, the JSON line.
+    # is, where MLflow shows the run, the JSON line.
     assert lines[0].startswith("run sine-")
     assert [line.split()[1] for line in lines[1:4]] == ["1/3", "2/3", "3/3"]
     assert lines[4].startswith("efficiency: 2 workers, ddp")
-    report = lines[5:-2]
+    report = lines[5:-3]
     assert [line.split()[0] for line in report] == [
         "start-up", "throughput", "step", "flops", "rank", "rank", "scaling"
     ], out.stdout  # fmt: skip
-    assert lines[-2].startswith("model: sinetask:1 at ")
+    assert lines[-3].startswith("model: sinetask:1 at ")
+    assert lines[-2].startswith(f"mlflow: {uri}/#/experiments/")
     result = json.loads(lines[-1])
     assert {"run_id", "checkpoint", "metrics", "best_metrics", "efficiency"} <= set(result)
     assert result["efficiency"]["workers"] == 2
@@ -60,6 +83,8 @@ def test_train_json_runs_and_show(tmp_path):
         (e["epoch"], pytest.approx(e["val_loss"], rel=1e-6)) for e in history_epochs
     ]
 
+    _check_mlflow_run(uri, result, history_epochs, tmp_path)
+
     shown = json.loads(
         relay("runs", "show", result["run_id"][:12], "--json", storage=tmp_path).stdout
     )
@@ -73,6 +98,7 @@ def test_train_json_runs_and_show(tmp_path):
     assert models["sinetask"]["best"] == models["sinetask"]["latest"] == 1
     assert models["sinetask"]["versions"][0]["checkpoint"] == result["checkpoint"]
     assert "sinetask:1" in relay("models", storage=tmp_path).stdout
+    _check_model_aliases(tmp_path, result, uri)
 
     shown_text = relay("runs", "show", result["run_id"], storage=tmp_path).stdout
     assert "efficiency: 2 workers, ddp" in shown_text
@@ -82,6 +108,85 @@ def test_train_json_runs_and_show(tmp_path):
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
 
 
+def _check_mlflow_run(uri: str, result: dict, epochs: list[dict], tmp_path) -> None:
+    """The run as MLflow's own client reads it from the server: one MLflow run with the
+    config as params, every epoch, the run's identity, its artifacts, and its model version
+    in the Model Registry."""
+    client = mlflow_client(uri)
+    experiment = client.get_experiment_by_name("cli-train")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_name == result["run_id"] and run.info.status == "FINISHED"
+    assert run.data.params["epochs"] == "3" and run.data.params["parallel.strategy"] == "ddp"
+    assert run.data.params["scaling.num_workers"] == "2"
+    # The commit of the directory the run started in (the tests start relay in REPO), when
+    # that is a git checkout.
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    commit = {"mlflow.source.git.commit": git.stdout.strip()} if git.returncode == 0 else {}
+    expected_tags = {
+        "relay.run_id": result["run_id"],
+        "relay.task": "examples.sine:SineTask",
+        "relay.strategy": "ddp",
+        "relay.workers": "2 workers",
+        "ray.version": ray.__version__,
+        "torch.version": torch.__version__,
+        **commit,
+    }
+    assert run.data.tags | expected_tags == run.data.tags
+    assert commit or "mlflow.source.git.commit" not in run.data.tags
+    logged = client.get_metric_history(run.info.run_id, "val_loss")
+    assert [(m.step, m.value) for m in logged] == [
+        (e["epoch"], pytest.approx(e["val_loss"], rel=1e-6)) for e in epochs
+    ]
+
+    def artifact(path: str) -> dict:
+        return json.loads(Path(client.download_artifacts(run_id, path, str(tmp_path))).read_text())
+
+    run_id = run.info.run_id
+    assert artifact("relay/efficiency.json") == result["efficiency"]
+    checkpoint_meta = Path(result["checkpoint"]) / "meta.json"
+    assert artifact("relay-checkpoint/meta.json") == json.loads(checkpoint_meta.read_text())
+    version = client.get_model_version_by_alias("sinetask", "best")
+    assert version.run_id == run.info.run_id and version.tags["relay.version"] == "1"
+    assert version.tags["relay.checkpoint"] == result["checkpoint"]
+    assert version.source == f"runs:/{run.info.run_id}/relay-checkpoint"
+
+
+def _check_model_aliases(storage, result: dict, uri: str) -> None:
+    """A user alias beside `best` and `latest`, resolved as any reference is (`relay serve`
+    resolves the same way), and mirrored in MLflow's registry (the run was tracked there); bad
+    input exits 2 with one line and changes nothing."""
+    aliased = relay("models", "alias", "sinetask:1", "champion", storage=storage)
+    assert aliased.stdout == "sinetask:champion -> sinetask:1\n"
+    assert "mlflow: sinetask@champion set" in aliased.stderr
+    client = mlflow_client(uri)
+    assert client.get_model_version_by_alias("sinetask", "champion").tags["relay.version"] == "1"
+    shown = json.loads(
+        relay("models", "show", "sinetask:champion", "--json", storage=storage).stdout
+    )
+    assert shown["reference"] == "sinetask:1" and shown["checkpoint"] == result["checkpoint"]
+    assert sorted(shown["aliases"]) == ["best", "champion", "latest"]
+    assert shown["checkpoint_epoch"] == result["best_metrics"]["epoch"]
+    assert "champion" in relay("models", storage=storage).stdout
+    for argv, message in [
+        (["alias", "sinetask:7", "x"], "model 'sinetask' has no version 7"),
+        (["alias", "sinetask:1", "best"], "invalid alias 'best'"),
+        (["alias", "--rm", "sinetask", "nope"], "has no alias 'nope'"),
+        (["show", "sinetask:nope"], "no version or alias 'nope'"),
+        (["alias", "sinetask", "x"], "NAME:VERSION ALIAS"),
+    ]:
+        bad = relay("models", *argv, storage=storage, check=False)
+        assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1, bad.stderr
+        assert message in bad.stderr, bad.stderr
+    relay("models", "alias", "--rm", "sinetask", "champion", storage=storage)
+    listed = json.loads(relay("models", "--json", storage=storage).stdout)
+    assert listed["sinetask"]["aliases"] == {"best": 1, "latest": 1}
+    assert set(client.get_registered_model("sinetask").aliases) == {"best"}
+    # The run holds the model's checkpoint: `runs rm` refuses, and deletes nothing.
+    refused = relay("runs", "rm", result["run_id"], storage=storage, check=False)
+    assert refused.returncode == 2 and "sinetask:1" in refused.stderr
+    assert Path(result["checkpoint"]).is_dir()
+
+
 def test_config_prints_the_resolved_config(tmp_path):
     out = relay("config", "jobs/configs/charlm.yaml", "--set", "size=debug", storage=tmp_path)
     resolved = yaml.safe_load(out.stdout)
@@ -89,17 +194,21 @@ def test_config_prints_the_resolved_config(tmp_path):
     assert resolved["checkpoint"]["metric"] == "val_loss"
 
 
-def test_resume_a_run_on_another_worker_count_and_strategy(tmp_path):
+def test_resume_a_run_on_another_worker_count_and_strategy(tmp_path, mlflow):
+    uri, _ = mlflow
+    tracked = (
+        "--set", "tracking.tensorboard=true", "--set", f"tracking.mlflow.uri={uri}",
+        "--set", "tracking.mlflow.experiment=cli-resume",
+    )  # fmt: skip
     first = relay(
         "train", "jobs/configs/charlm.yaml", "--set", "size=debug", "--set", "epochs=2",
-        "--set", "tracking.tensorboard=true", "--json", storage=tmp_path,
+        *tracked, "--json", storage=tmp_path,
     )  # fmt: skip
     run = json.loads(first.stdout.strip().splitlines()[-1])
     resumed = relay(
         "train", "jobs/configs/charlm.yaml", "--set", "size=debug", "--set", "epochs=4",
         "--set", "scaling.num_workers=1", "--set", "parallel.strategy=fsdp",
-        "--set", "tracking.tensorboard=true", "--resume", run["run_id"], "--json",
-        storage=tmp_path,
+        *tracked, "--resume", run["run_id"], "--json", storage=tmp_path,
     )  # fmt: skip
     result = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert result["run_id"] == run["run_id"]
@@ -114,9 +223,61 @@ def test_resume_a_run_on_another_worker_count_and_strategy(tmp_path):
     scalars = tensorboard_scalars(tmp_path / "runs" / run["run_id"] / "tensorboard")
     assert [step for step, _ in scalars["run/workers"]] == [1, 2, 3, 4]
     assert [value for _, value in scalars["run/workers"]] == [2, 2, 1, 1]
+    # ... and so does its MLflow run: one run, reopened, every epoch in it; the config's
+    # first values stay its params, what the resume changed is tagged.
+    client = mlflow_client(uri)
+    experiment = client.get_experiment_by_name("cli-resume")
+    (tracked_run,) = client.search_runs([experiment.experiment_id])
+    assert tracked_run.info.run_name == run["run_id"] and tracked_run.info.status == "FINISHED"
+    workers = client.get_metric_history(tracked_run.info.run_id, "workers")
+    assert [(m.step, m.value) for m in workers] == [(1, 2), (2, 2), (3, 1), (4, 1)]
+    assert tracked_run.data.params["scaling.num_workers"] == "2"
+    assert tracked_run.data.tags["relay.resumed.scaling.num_workers"] == "1"
+    assert tracked_run.data.tags["relay.resumed.parallel.strategy"] == "fsdp"
+    # Both calls registered a version; MLflow's `best` is relay's best.
+    models = json.loads(relay("models", "--json", storage=tmp_path).stdout)
+    best = client.get_model_version_by_alias("charlm", "best")
+    assert best.tags["relay.version"] == str(models["charlm"]["best"])
+    assert len(client.search_model_versions("name='charlm'")) == 2
 
     changed_model = relay(
         "train", "jobs/configs/charlm.yaml", "--set", "size=debug", "--set", "model.d_model=64",
         "--resume", run["run_id"], storage=tmp_path, check=False,
     )  # fmt: skip
     assert changed_model.returncode == 2 and "model:" in changed_model.stderr
+
+
+def test_a_run_goes_on_when_its_mlflow_server_stops(tmp_path, mlflow):
+    """The server stops after the run opened its MLflow run, before its first epoch: one
+    warning, the run trains every epoch, and relay's own records have all of it. (Last in
+    this module: it stops the module's server.)"""
+    uri, server = mlflow
+    run = subprocess.Popen(
+        [
+            str(BIN / "relay"), "train", "examples/sine.yaml", "--set", "size=debug",
+            "--set", "epochs=3", "--set", f"tracking.mlflow.uri={uri}", "--json",
+        ],
+        cwd=REPO, env=subprocess_env(RELAY_HOME=str(tmp_path)), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not any("tracking" in json.loads(p.read_text()) for p in _records(tmp_path)):
+        assert run.poll() is None and time.monotonic() < deadline, "the run never opened"
+        time.sleep(0.2)
+    stop_session(server)
+    out, err = run.communicate(timeout=240)
+    assert run.returncode == 0, err
+    warnings = [line for line in err.splitlines() if f"MLflow at {uri} failed" in line]
+    assert len(warnings) == 1 and "training goes on" in warnings[0], err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["metrics"]["epoch"] == 3 and result["model"] == "sinetask:1"
+    record = registry.get_run(tmp_path, result["run_id"])
+    assert record["status"] == "finished"
+    assert [e["epoch"] for e in history.read(record["run_dir"])] == [1, 2, 3]
+
+
+def _records(storage):
+    try:
+        return [p for p in (storage / "runs").glob("*/run.json") if p.stat().st_size]
+    except FileNotFoundError:
+        return []

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from support import REPO, free_port, tensorboard_scalars
+from support import REPO, free_port, mlflow_client, tensorboard_scalars
 
 import relay
 from relay import checkpoint, history, registry, sweep
@@ -43,7 +43,7 @@ def strategy_sweep(ray_cluster, relay_home):
                 "optim": {"lr": 0.01},
                 "parallel": {"mixed_precision": "bf16", "grad_accum": 2},
                 "scaling": {"resources_per_worker": {"CPU": 0.5}},
-                "tracking": {"tensorboard": True},
+                "tracking": {"tensorboard": True, "mlflow": True},  # MLflow in SQLite
             },
             "search": {"parallel.strategy": {"grid": ["ddp", "zero1", "fsdp"]}},
             "num_samples": 1,
@@ -74,6 +74,37 @@ def test_every_strategy_trains_through_a_sweep(strategy_sweep):
         # Each trial writes TensorBoard files of its own, every epoch in them.
         scalars = tensorboard_scalars(Path(run["run_dir"]) / "tensorboard")
         assert [step for step, _ in scalars["val/loss"]] == list(range(1, EPOCHS + 1))
+
+
+def test_a_sweep_is_an_mlflow_run_with_a_nested_run_per_trial(strategy_sweep, relay_home):
+    """In the embedded default (SQLite under the storage root, written by the sweep's driver,
+    three trial drivers and their controllers at once), read back by MLflow's own client."""
+    result, runs = strategy_sweep
+    client = mlflow_client(f"sqlite:///{relay_home}/mlflow/mlflow.db")
+    experiment = client.get_experiment_by_name("relay")
+    tracked = client.search_runs(
+        [experiment.experiment_id], f"tags.`relay.sweep_id` = '{result.sweep}'"
+    )
+    (parent,) = [r for r in tracked if r.info.run_name == result.sweep]
+    trials = {r.info.run_name: r for r in tracked if r is not parent}
+    assert parent.info.status == "FINISHED" and parent.data.params["search_alg"] == "random"
+    assert parent.data.params["search.parallel.strategy.grid"] == '["ddp", "zero1", "fsdp"]'
+    assert sorted(trials) == sorted(run["run_id"] for run in runs.values())
+    for strategy, run in runs.items():
+        trial = trials[run["run_id"]]
+        assert trial.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert trial.info.status == "FINISHED"
+        assert trial.data.params["parallel.strategy"] == strategy
+        logged = client.get_metric_history(trial.info.run_id, "val_loss")
+        assert [(m.step, m.value) for m in logged] == [
+            (e["epoch"], pytest.approx(e["val_loss"], rel=1e-6))
+            for e in history.read(run["run_dir"])
+        ]
+    # The sweep's model version is registered from the winning trial's MLflow run.
+    best = client.get_model_version_by_alias("charlm-strategies", "best")
+    winner = trials[result.best["run_id"]]
+    assert best.run_id == winner.info.run_id and best.tags["relay.version"] == "1"
+    assert parent.data.metrics["best_score"] == pytest.approx(result.best["best_score"])
 
 
 def _train_rows(run: dict) -> int:

@@ -7,6 +7,7 @@ cluster work: Ray is not even imported until the config is valid).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -86,14 +87,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("reference", help="print the config reference (Markdown)")
 
-    models = sub.add_parser("models", help="list model versions and their aliases")
-    models.add_argument("name", nargs="?", help="only this model")
+    models = sub.add_parser(
+        "models",
+        help="list model versions and their aliases; `show REF`; `alias NAME:VERSION ALIAS`",
+        description="relay models [NAME] | relay models show REF | relay models alias "
+        "NAME:VERSION ALIAS | relay models alias --rm NAME ALIAS",
+    )
+    models.add_argument(
+        "words", nargs="*", metavar="NAME | show REF | alias ...", help="see the usage above"
+    )
+    models.add_argument("--rm", action="store_true", help="alias: remove ALIAS from NAME")
     models.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
     models.add_argument("--json", action="store_true", help="print JSON")
 
-    runs = sub.add_parser("runs", help="list recorded runs (newest first), or show one")
-    runs.add_argument("action", nargs="?", choices=["show"], help="show one run")
-    runs.add_argument("run_id", nargs="?", help="run id (or a unique prefix) for `show`")
+    runs = sub.add_parser(
+        "runs",
+        help="list recorded runs (newest first); `show RUN`; `compare A B`; `rm RUN...`",
+    )
+    runs.add_argument(
+        "action", nargs="?", choices=["show", "compare", "rm"], help="what to do with RUN"
+    )
+    runs.add_argument("run_ids", nargs="*", metavar="RUN", help="run ids (or unique prefixes)")
+    runs.add_argument(
+        "--force",
+        action="store_true",
+        help="rm: also runs a model version points at, or recorded as running",
+    )
     runs.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
     runs.add_argument("--json", action="store_true", help="print JSON")
 
@@ -261,11 +280,20 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     from relay import history, registry
 
     storage = config_mod.resolve_storage(args.storage)
+    wanted = {None: 0, "show": 1, "compare": 2}.get(args.action)
+    if wanted is not None and len(args.run_ids) != wanted:
+        return _fail(
+            f"runs {args.action or ''}: takes {wanted} run id{'s' * (wanted != 1)}, "
+            f"got {len(args.run_ids)}",
+            EXIT_USAGE,
+        )
+    if args.action == "rm":
+        return _runs_rm(storage, args)
+    if args.action == "compare":
+        return _runs_compare(storage, args)
     if args.action == "show":
-        if not args.run_id:
-            return _fail("runs show needs a RUN_ID", EXIT_USAGE)
         try:
-            record = registry.get_run(storage, args.run_id)
+            record = registry.get_run(storage, args.run_ids[0])
         except KeyError as exc:
             return _fail(str(exc.args[0]), EXIT_USAGE)
         record = {**record, "history": history.read(record["run_dir"])}
@@ -290,6 +318,37 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     else:
         for record in records:
             print(_run_summary(record))
+    return 0
+
+
+def _runs_rm(storage: Path, args: argparse.Namespace) -> int:
+    from relay import run_admin
+
+    if not args.run_ids:
+        return _fail("runs rm: name the runs to delete", EXIT_USAGE)
+    try:
+        records = run_admin.plan_removal(storage, args.run_ids, force=args.force)
+    except (KeyError, run_admin.Refused) as exc:  # nothing was deleted
+        return _fail(f"runs rm: {exc.args[0]}", EXIT_USAGE)
+    run_admin.remove(records)
+    removed = [r["run_id"] for r in records]
+    print(json.dumps({"removed": removed}) if args.json else f"removed {', '.join(removed)}")
+    return 0
+
+
+def _runs_compare(storage: Path, args: argparse.Namespace) -> int:
+    from relay import registry, run_admin
+
+    try:
+        first, second = (registry.get_run(storage, ref) for ref in args.run_ids)
+    except KeyError as exc:
+        return _fail(f"runs compare: {exc.args[0]}", EXIT_USAGE)
+    comparison = run_admin.compare(first, second)
+    print(
+        json.dumps(comparison, default=str)
+        if args.json
+        else run_admin.format_comparison(comparison)
+    )
     return 0
 
 
@@ -330,18 +389,31 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from relay import registry
 
     storage = config_mod.resolve_storage(args.storage)
-    versions = registry.list_versions(storage, args.name)
+    verb, rest = (args.words[0], args.words[1:]) if args.words else (None, [])
+    if verb == "alias":
+        return _models_alias(storage, rest, args)
+    if verb == "show":
+        if len(rest) != 1:
+            return _fail("models show: takes one REF (name, name:VERSION, name:ALIAS)", EXIT_USAGE)
+        return _models_show(storage, rest[0], args)
+    if args.rm:
+        return _fail("--rm: only with `models alias`", EXIT_USAGE)
+    if len(args.words) > 1:
+        return _fail(f"models: unknown verb {verb!r} (show, alias)", EXIT_USAGE)
+    versions = registry.list_versions(storage, verb)
     by_model: dict[str, list[dict[str, Any]]] = {}
     for version in versions:
         by_model.setdefault(version["model"], []).append(version)
+    aliases = {name: registry.aliases_of(storage, name, e) for name, e in by_model.items()}
     if args.json:
         print(
             json.dumps(
                 {
                     name: {
                         "versions": entries,
-                        "latest": entries[-1]["version"],
-                        "best": registry.best_version(entries)["version"],
+                        "best": aliases[name]["best"],
+                        "latest": aliases[name]["latest"],
+                        "aliases": aliases[name],  # best, latest and the user's
                     }
                     for name, entries in by_model.items()
                 },
@@ -352,12 +424,76 @@ def _cmd_models(args: argparse.Namespace) -> int:
     if not versions:
         print(f"no models under {registry.models_root(storage)}")
     for name, entries in by_model.items():
-        best, latest = registry.best_version(entries)["version"], entries[-1]["version"]
         for v in entries:
-            aliases = [a for a, n in (("best", best), ("latest", latest)) if n == v["version"]]
+            tags = [a for a, n in aliases[name].items() if n == v["version"]]
             score = f"{v['metric']}={v['score']:.4g}" if v.get("score") is not None else ""
-            tag = f"({', '.join(aliases)})" if aliases else ""
-            print(f"{name}:{v['version']:<4} {tag:<16} {score:<24} {v['run_id']}")
+            tag = f"({', '.join(tags)})" if tags else ""
+            print(f"{name}:{v['version']:<4} {tag:<24} {score:<24} {v['run_id']}")
+    return 0
+
+
+def _models_alias(storage: Path, words: list[str], args: argparse.Namespace) -> int:
+    """`alias NAME:VERSION ALIAS` points a user alias at a version; `alias --rm NAME ALIAS`
+    removes it."""
+    from relay import registry
+
+    usage = "models alias: NAME:VERSION ALIAS, or --rm NAME ALIAS"
+    if len(words) != 2:
+        return _fail(usage, EXIT_USAGE)
+    target, alias = words
+    name, _, number = target.partition(":")
+    if args.rm == bool(number) or (number and not number.isdigit()):
+        return _fail(usage, EXIT_USAGE)
+    before = registry.read_aliases(storage, name).get(alias)
+    try:
+        aliases = registry.set_alias(storage, name, None if args.rm else int(number), alias)
+    except (KeyError, ValueError) as exc:
+        return _fail(f"models alias: {exc.args[0]}", EXIT_USAGE)
+    # Where the version's run was tracked in MLflow, its registry gets the alias too.
+    target = before if args.rm else int(number)
+    version = next(v for v in registry.list_versions(storage, name) if v["version"] == target)
+    if mirrored := _mirror_alias(storage, version, alias, args.rm):
+        print(mirrored, file=sys.stderr)
+    if args.json:
+        print(json.dumps({"model": name, "aliases": aliases}))
+    else:
+        print(f"{name}:{alias} removed" if args.rm else f"{name}:{alias} -> {name}:{number}")
+    return 0
+
+
+def _mirror_alias(storage: Path, version: dict[str, Any], alias: str, remove: bool) -> str:
+    if importlib.util.find_spec("mlflow") is None:
+        return ""
+    from relay.tracking import mirror_alias  # imports Ray (the trackers are its callbacks)
+
+    return mirror_alias(storage, version, alias, remove=remove)
+
+
+def _models_show(storage: Path, ref: str, args: argparse.Namespace) -> int:
+    """A model version (or a run's or a directory's checkpoint): its record, aliases, and the
+    checkpoint's own account of itself (epoch, metrics)."""
+    from relay import checkpoint, registry
+
+    try:
+        found = registry.resolve_model(storage, ref)
+    except KeyError as exc:
+        return _fail(f"models show: {exc.args[0]}", EXIT_USAGE)
+    except checkpoint.CorruptCheckpoint as exc:
+        return _fail(f"models show: {ref}: damaged checkpoint: {exc}", EXIT_FAILED)
+    meta = checkpoint.read_meta(found.checkpoint)
+    shown: dict[str, Any] = {"reference": found.reference, "checkpoint": str(found.checkpoint)}
+    if found.version:
+        name = found.version["model"]
+        every = registry.aliases_of(storage, name, registry.list_versions(storage, name))
+        shown["aliases"] = [a for a, n in every.items() if n == found.version["version"]]
+        shown["version"] = found.version
+    shown["checkpoint_epoch"] = meta.get("epoch")
+    shown["checkpoint_metrics"] = meta.get("metrics")
+    shown["task"] = meta.get("config", {}).get("task")
+    if args.json:
+        print(json.dumps(shown, default=str))
+    else:
+        print(yaml.safe_dump(shown, sort_keys=False, default_flow_style=None), end="")
     return 0
 
 
@@ -405,7 +541,13 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "models" and not any(e.startswith("-") for e in extra):
+        # `models alias --rm NAME ALIAS`: argparse ends a positional list at the first flag.
+        args.words += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return COMMANDS[args.command](args)
     except config_mod.ConfigError as exc:

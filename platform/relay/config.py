@@ -193,12 +193,62 @@ class FailureConfig(_Section):
     )
 
 
+TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql")
+
+
+class MlflowConfig(_Section):
+    uri: str | None = Field(
+        None,
+        description="MLflow tracking URI: an MLflow server (`http://host:5000`) or a database "
+        "(`sqlite:////abs/path.db`); null: `sqlite:///<storage>/mlflow/mlflow.db`, nothing to "
+        "start (`mlflow ui --backend-store-uri` that URI shows it).",
+    )
+    experiment: str = Field(
+        "relay", min_length=1, description="MLflow experiment the runs and sweeps go to."
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _known_scheme(cls, uri: str | None) -> str | None:
+        if uri is None:
+            return uri
+        scheme = uri.partition("://")[0].partition("+")[0]
+        if "://" not in uri or scheme not in TRACKING_SCHEMES:
+            raise ValueError(
+                f"{uri!r} is not an MLflow tracking URI: use http(s)://host:port of an MLflow "
+                f"server or a database URI ({', '.join(TRACKING_SCHEMES[2:])})"
+            )
+        return uri
+
+
 class TrackingConfig(_Section):
     tensorboard: bool = Field(
         False,
         description="Write each epoch's metrics as TensorBoard event files in the run's "
         "directory (`tensorboard --logdir <storage>/runs` shows every run and trial).",
     )
+    mlflow: MlflowConfig | None = Field(
+        None,
+        description="Track each run (params, per-epoch metrics, artifacts), each sweep (a "
+        "parent run, nested trials) and each model version (Model Registry, alias `best`) in "
+        "MLflow; `true` for the defaults below; null: off.",
+    )
+
+    @field_validator("mlflow", mode="before")
+    @classmethod
+    def _switch(cls, value: Any) -> Any:
+        if value is True:
+            return {}
+        if value is False:
+            return None
+        return value
+
+    @field_validator("mlflow")
+    @classmethod
+    def _installed(cls, value: MlflowConfig | None) -> MlflowConfig | None:
+        if value is not None and importlib.util.find_spec("mlflow") is None:
+            raise ValueError("MLflow is not installed: pip install 'relay[mlflow]'")
+        return value
 
 
 FileFormat = Literal["parquet", "csv", "jsonl", "text", "images"]
@@ -399,6 +449,18 @@ def set_dotted(data: dict[str, Any], path: list[str], value: Any) -> None:
             raise ConfigError(f"{where}: is not a section, cannot set {'.'.join(path)}")
         node = child
     node[path[-1]] = value
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config as dotted fields: {"parallel": {"strategy": "ddp"}} → {"parallel.strategy":
+    "ddp"} (the names `--set` takes); an empty section stays a field of its own."""
+    fields: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            fields.update(flatten(value, f"{prefix}{key}."))
+        else:
+            fields[f"{prefix}{key}"] = value
+    return fields
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

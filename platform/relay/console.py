@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
@@ -47,8 +47,14 @@ def epoch_line(metrics: dict[str, Any], epochs: int) -> str:
 
 
 @contextmanager
-def follow(run_dir: Path, epochs: int, out: TextIO | None = sys.stdout) -> Iterator[None]:
-    """Print each epoch of `run_dir`'s history as rank 0 appends it, until the block ends."""
+def follow(
+    run_dir: Path,
+    epochs: int,
+    out: TextIO | None = sys.stdout,
+    also: Callable[[], None] | None = None,
+) -> Iterator[None]:
+    """Print each epoch of `run_dir`'s history as rank 0 appends it, until the block ends;
+    `also` is called beside (e.g. to tell what a tracker could not write)."""
     if out is None:
         yield
         return
@@ -56,6 +62,8 @@ def follow(run_dir: Path, epochs: int, out: TextIO | None = sys.stdout) -> Itera
 
     def flush() -> None:
         nonlocal printed
+        if also is not None:
+            also()
         records = history.read_raw(run_dir)
         for record in records[printed:]:
             out.write(epoch_line(record, epochs) + "\n")

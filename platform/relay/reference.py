@@ -27,11 +27,25 @@ def _type_name(annotation) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
+def _optional_section(annotation) -> type[BaseModel] | None:
+    """`Section | None`: the section's class."""
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return None
+    models = [
+        a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)
+    ]
+    return models[0] if models else None
+
+
 def _rows(model: type[BaseModel], prefix: str = ""):
     for name, field in model.model_fields.items():
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             yield from _rows(annotation, f"{prefix}{name}.")
+            continue
+        if section := _optional_section(annotation):  # a section that is off when null
+            yield f"| `{prefix}{name}` | object \\| true \\| null | `null` | {field.description} |"
+            yield from _rows(section, f"{prefix}{name}.")
             continue
         if field.default is PydanticUndefined and field.default_factory is None:
             default = "required"

@@ -7,6 +7,7 @@ anyone who can read the storage path finds them, from any node:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -176,6 +177,62 @@ def best_version(versions: list[dict[str, Any]]) -> dict[str, Any]:
     return max(scored, key=lambda v: (sign * v["score"], v["version"]))
 
 
+# --- user aliases ------------------------------------------------------------------------------
+# `<storage>/models/<name>/aliases.json`: {"champion": 3, ...}, beside the derived `best` and
+# `latest`. Replaced whole (temp file, then rename) under a lock, so two edits never lose one.
+
+ALIASES = "aliases.json"
+DERIVED_ALIASES = ("best", "latest")
+
+
+def read_aliases(storage: Path, name: str) -> dict[str, int]:
+    """A model's user aliases: alias → version."""
+    try:
+        return json.loads((models_root(storage) / name / ALIASES).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def check_alias(alias: str) -> None:
+    if alias in DERIVED_ALIASES or alias.isdigit() or not MODEL_NAME.match(alias):
+        raise ValueError(
+            f"invalid alias {alias!r}: letters, digits, '_', '.', '-', not only digits, and "
+            f"not {' or '.join(DERIVED_ALIASES)} (relay derives those)"
+        )
+
+
+def set_alias(storage: Path, name: str, version: int | None, alias: str) -> dict[str, int]:
+    """Point `alias` of model `name` at `version` (None: remove it); the aliases after."""
+    check_alias(alias)
+    directory = models_root(storage) / name
+    versions = {v["version"] for v in list_versions(storage, name)}
+    if not versions:
+        raise KeyError(f"no model {name!r} under {models_root(storage)}")
+    if version is not None and version not in versions:
+        numbers = ", ".join(str(v) for v in sorted(versions))
+        raise KeyError(f"model {name!r} has no version {version} (versions: {numbers})")
+    with open(directory / f".{ALIASES}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        aliases = read_aliases(storage, name)
+        if version is None:
+            if alias not in aliases:
+                raise KeyError(f"model {name!r} has no alias {alias!r}")
+            del aliases[alias]
+        else:
+            aliases[alias] = version
+        tmp = _write_temp(directory, ALIASES, aliases)
+        os.replace(tmp, directory / ALIASES)
+    return aliases
+
+
+def aliases_of(storage: Path, name: str, versions: list[dict[str, Any]]) -> dict[str, int]:
+    """Every alias of a model, derived and user's: alias → version."""
+    if not versions:
+        return {}
+    derived = {"best": best_version(versions)["version"], "latest": versions[-1]["version"]}
+    return {**derived, **read_aliases(storage, name)}
+
+
 @dataclass(frozen=True)
 class ResolvedModel:
     checkpoint: Path
@@ -184,7 +241,8 @@ class ResolvedModel:
 
 
 def resolve_model(storage: Path, ref: str) -> ResolvedModel:
-    """`name:best`, `name:latest`, `name:N`, `name` (= best), a run id, or a checkpoint dir;
+    """`name:best`, `name:latest`, `name:N`, `name:<alias>` (`relay models alias`), `name`
+    (= best), a run id, or a checkpoint dir;
     its checkpoint's files checked whole (`checkpoint.CorruptCheckpoint` names a bad one)."""
     found = _resolve_model(storage, ref)
     from relay import checkpoint
@@ -209,9 +267,15 @@ def _resolve_model(storage: Path, ref: str) -> ResolvedModel:
             chosen = versions[-1]
         elif selector.isdigit() and any(v["version"] == int(selector) for v in versions):
             chosen = next(v for v in versions if v["version"] == int(selector))
+        elif (number := read_aliases(storage, name).get(selector)) is not None:
+            chosen = next(v for v in versions if v["version"] == number)
         else:
             numbers = ", ".join(str(v["version"]) for v in versions)
-            raise KeyError(f"model {name!r} has no version {selector!r} (versions: {numbers})")
+            aliases = ", ".join(["best", "latest", *read_aliases(storage, name)])
+            raise KeyError(
+                f"model {name!r} has no version or alias {selector!r} (versions: {numbers}; "
+                f"aliases: {aliases})"
+            )
         return ResolvedModel(Path(chosen["checkpoint"]), f"{name}:{chosen['version']}", chosen)
     try:
         run = get_run(storage, ref)

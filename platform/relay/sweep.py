@@ -31,7 +31,7 @@ from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search import ConcurrencyLimiter, SearchAlgorithm, Searcher
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from relay import cluster, console, ingest, pbt, registry, trainer
+from relay import cluster, console, ingest, pbt, registry, tracking, trainer
 from relay.config import SearchDimension, SweepConfig, sweep_from_dict, trial_config
 
 SPEC = "sweep.json"
@@ -267,9 +267,18 @@ def run(
                 else f"ASHA {'on' if cfg.asha.enabled else 'off'} (max_t {cfg.asha.max_t})\n"
             )
         )
-    with cluster.reclaiming_orphans():
-        grid = _tuner(cfg, sweep_id, storage, out, restore=resume is not None).fit()
-    return _summarize(cfg, sweep_id, sweep_dir, storage, grid, out)
+    tracking.open_sweep(cfg, sweep_dir, sweep_id, resume=resume is not None)
+    try:
+        with cluster.reclaiming_orphans():
+            grid = _tuner(cfg, sweep_id, storage, out, restore=resume is not None).fit()
+        result = _summarize(cfg, sweep_id, sweep_dir, storage, grid, out)
+    except BaseException as exc:
+        tracking.close_sweep(sweep_dir, "FAILED" if isinstance(exc, Exception) else "KILLED", None)
+        raise
+    tracking.close_sweep(sweep_dir, "FINISHED", result.to_json_dict())
+    if out is not None and (where := tracking.sweep_where(sweep_dir)):
+        out.write(where + "\n")
+    return result
 
 
 def load_spec(storage: Path, sweep_id: str) -> SweepConfig:
@@ -346,6 +355,7 @@ def _summarize(cfg, sweep_id, sweep_dir, storage, grid, out) -> SweepResult:
             record = registry.get_run(storage, trial["run_id"])
             record.pop("error", None)
             registry.write(run_dir, {**record, "status": "stopped", "metrics": trial["metrics"]})
+            tracking.stopped(record)  # its MLflow run, left running by the kill
 
     scored = [t for t in trials if t["best_score"] is not None]
     best, model = None, None

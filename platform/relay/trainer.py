@@ -94,9 +94,11 @@ def build_trainer(
 
 
 def register_model(cfg: RunConfig, run_id: str, checkpoint: str, metrics: dict, name: str | None):
-    """Record a checkpoint as the next version of model `name` (default: the task's name)."""
-    return registry.register_version(
-        cfg.storage_path(),
+    """Record a checkpoint as the next version of model `name` (default: the task's name);
+    with MLflow tracking, also in MLflow's Model Registry, from the run's MLflow run."""
+    storage = cfg.storage_path()
+    version = registry.register_version(
+        storage,
         name or registry.default_model_name(cfg.task),
         {
             "checkpoint": checkpoint,
@@ -108,6 +110,11 @@ def register_model(cfg: RunConfig, run_id: str, checkpoint: str, metrics: dict, 
             "metrics": metrics,
         },
     )
+    if cfg.tracking.mlflow is not None:
+        best = registry.best_version(registry.list_versions(storage, version["model"]))
+        is_best = best["version"] == version["version"]
+        tracking.register_version(cfg, registry.get_run(storage, run_id), version, is_best)
+    return version
 
 
 def fit(
@@ -180,6 +187,10 @@ def fit(
         "config": cfg.model_dump(mode="json"),
     }
     registry.reserve(run_dir)
+    tracked = tracking.open_run(
+        cfg, run_dir, run_id, previous=previous, sweep_id=(labels or {}).get("sweep")
+    )
+    record.update(tracked.record())
     registry.write(run_dir, record)
     if out is not None:
         out.write(
@@ -188,14 +199,15 @@ def fit(
         )
 
     # The failure clock stamps worker-group restarts: the efficiency report's start-up.
-    callbacks = [*(callbacks or []), failure_clock(run_dir), *tracking.callbacks(cfg, run_dir)]
+    callbacks = [*(callbacks or []), failure_clock(run_dir), *tracked.callbacks]
     trainer = build_trainer(cfg, run_id, run_data, callbacks, init_checkpoint)
     try:
-        with console.follow(run_dir, cfg.epochs, out):
+        with console.follow(run_dir, cfg.epochs, out, also=tracked.announce):
             times["fit_called"] = time.time()
             result = trainer.fit()
     except BaseException as exc:
         _record_failure(run_dir, record, exc)
+        tracked.close("FAILED" if isinstance(exc, Exception) else "KILLED")
         raise
 
     run = _run_result(cfg, run_id, run_dir, result)
@@ -209,6 +221,7 @@ def fit(
             version = register_model(cfg, run_id, run.checkpoint, run.best_metrics, model_name)
         except BaseException as exc:  # e.g. the storage filled up at the very end
             _record_failure(run_dir, record, exc)
+            tracked.close("FAILED")
             raise
         run.model = f"{version['model']}:{version['version']}"
     registry.write(
@@ -229,10 +242,13 @@ def fit(
         },
         final=True,
     )
+    tracked.close("FINISHED", efficiency=run.efficiency)
     if out is not None:
         if run.efficiency:
             out.write(efficiency.format_report(run.efficiency) + "\n")
         out.write(f"model: {run.model} at {run.checkpoint}\n")
+        if where := tracked.where():
+            out.write(where + "\n")
     return run
 
 

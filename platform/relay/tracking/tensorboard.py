@@ -1,11 +1,4 @@
-"""Each epoch's metrics sent to the tools people watch runs in (`tracking:` in the config).
-
-Written from Ray Train's controller, by a `UserCallback` (`after_report` gets every rank's
-report), not from the workers: a worker group that restarts after a failure does not open a
-second writer, and every trial of a sweep writes its own run's files. A tracker that cannot
-write never costs the training: it warns once and stops; history.jsonl keeps every epoch.
-
-TensorBoard: event files (tensorboardX, which Ray already installs) in `<run_dir>/tensorboard`,
+"""TensorBoard: event files (tensorboardX, which Ray already installs) in `<run_dir>/tensorboard`,
 one scalar per numeric metric with the epoch as its step, grouped as TensorBoard shows them:
 `train/loss`, `val/accuracy`, `run/samples_per_s`. A resumed run writes to the same
 directory; TensorBoard reads its files as one run.
@@ -13,30 +6,27 @@ directory; TensorBoard reads its files as one run.
 
 from __future__ import annotations
 
-import math
 import os
-import sys
-from numbers import Real
 from pathlib import Path
 from typing import Any
 
 import ray.train
 
+from relay.tracking import failures
+from relay.tracking.metrics import numeric_metrics
+
 TENSORBOARD_DIR = "tensorboard"
+TRACKER = "tensorboard"  # its failure mark in a run's directory: see failures.py
 
 
 def scalar_tags(metrics: dict[str, Any]) -> dict[str, float]:
     """A report's numeric metrics under TensorBoard tags (`train_loss` → `train/loss`); the
     epoch is the step, not a scalar."""
     tags = {}
-    for name, value in metrics.items():
-        if name == "epoch" or isinstance(value, bool) or not isinstance(value, Real):
-            continue
-        if not math.isfinite(value):
-            continue
+    for name, value in numeric_metrics(metrics).items():
         group, _, rest = name.partition("_")
         tag = f"{group}/{rest}" if group in ("train", "val") and rest else f"run/{name}"
-        tags[tag] = float(value)
+        tags[tag] = value
     return tags
 
 
@@ -50,11 +40,14 @@ class TensorBoardTracker(ray.train.UserCallback):
     directory's files as one run."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.logdir = Path(run_dir) / TENSORBOARD_DIR
-        self._broken = False
+        self.run_dir = Path(run_dir)
+        self.logdir = self.run_dir / TENSORBOARD_DIR
+        self._broken = False  # also where no mark can be written (see failures.mark)
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         if self._broken or not metrics or "epoch" not in metrics[0]:
+            return
+        if failures.failed(self.run_dir, TRACKER):
             return
         report, epoch = metrics[0], int(metrics[0]["epoch"])
         try:
@@ -71,13 +64,9 @@ class TensorBoardTracker(ray.train.UserCallback):
                 writer.close()
         except OSError as error:
             self._broken = True
-            print(
+            failures.mark(
+                self.run_dir,
+                TRACKER,
                 f"relay: TensorBoard files in {self.logdir} could not be written "
                 f"({error.strerror or error}); training goes on, history.jsonl has every epoch",
-                file=sys.stderr,
             )
-
-
-def callbacks(cfg, run_dir: Path) -> list[ray.train.UserCallback]:
-    """The trackers `cfg.tracking` turns on, as Ray Train callbacks."""
-    return [TensorBoardTracker(run_dir)] if cfg.tracking.tensorboard else []

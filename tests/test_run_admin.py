@@ -1,0 +1,102 @@
+"""`relay runs rm` and `relay runs compare` on a storage path written by relay's own record
+functions (no Ray: these verbs only read and delete files). `models alias` and `models show`
+on a trained model are tested in test_cli.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from relay import config, registry
+from relay.cli import main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def write_run(storage: Path, run_id: str, status: str, overrides: list[str], metrics: dict):
+    cfg = config.load(None, ["task=digits", *overrides])
+    run_dir = registry.runs_root(storage) / run_id
+    (run_dir / "epoch_0001").mkdir(parents=True)
+    record = {
+        "run_id": run_id,
+        "task": "digits",
+        "status": status,
+        "started_at": f"2026-12-01T00:00:0{len(list(registry.runs_root(storage).iterdir()))}",
+        "run_dir": str(run_dir),
+        "config": cfg.model_dump(mode="json"),
+        "metrics": metrics,
+        "best_metrics": metrics,
+        "checkpoint": str(run_dir / "epoch_0001"),
+    }
+    registry.write(run_dir, record)
+    return record
+
+
+def relay(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def storage(tmp_path):
+    write_run(tmp_path, "a-run", "finished", ["optim.lr=0.01"], {"epoch": 3, "val_loss": 0.5})
+    write_run(tmp_path, "b-run", "finished", ["optim.lr=0.1", "epochs=5"], {"val_loss": 0.4})
+    served = write_run(tmp_path, "served", "finished", [], {"val_loss": 0.3})
+    write_run(tmp_path, "live", "running", [], {})
+    registry.register_version(
+        tmp_path, "digits", {"checkpoint": served["checkpoint"], "run_id": "served"}
+    )
+    return tmp_path
+
+
+def test_rm_deletes_runs_and_refuses_what_a_model_or_a_live_run_needs(storage, capsys):
+    def present() -> set[str]:
+        return {p.name for p in registry.runs_root(storage).iterdir()}
+
+    everything = present()
+    # One bad name among good ones: nothing at all is deleted.
+    for names, message in [
+        (["a-run", "nope"], "no run 'nope'"),
+        (["a-run", "served"], "holds the checkpoint of model version digits:1; --force"),
+        (["a-run", "live"], "is recorded as running"),
+    ]:
+        code, out, err = relay(capsys, "runs", "rm", *names, "--storage", str(storage))
+        assert (code, out) == (2, "") and message in err and len(err.splitlines()) == 1, err
+        assert present() == everything
+    code, out, _ = relay(capsys, "runs", "rm", "a-run", "b-", "--storage", str(storage))
+    assert code == 0 and out == "removed a-run, b-run\n"
+    assert present() == everything - {"a-run", "b-run"}
+    code, out, _ = relay(
+        capsys, "runs", "rm", "live", "--force", "--json", "--storage", str(storage)
+    )
+    assert code == 0 and json.loads(out) == {"removed": ["live"]}
+    assert present() == {"served"}
+    code, _, err = relay(capsys, "runs", "rm", "--storage", str(storage))
+    assert code == 2 and "name the runs" in err
+
+
+def test_compare_puts_two_runs_side_by_side(storage, capsys):
+    code, out, err = relay(capsys, "runs", "compare", "a-run", "b-run", "--json",
+                           "--storage", str(storage))  # fmt: skip
+    assert (code, err) == (0, "")
+    comparison = json.loads(out)
+    assert comparison["runs"] == ["a-run", "b-run"]
+    # Only the fields that differ, by the names --set takes.
+    assert comparison["config"] == {"epochs": [10, 5], "optim.lr": [0.01, 0.1]}
+    assert comparison["metrics"] == {"epoch": [3, None], "val_loss": [0.5, 0.4]}
+
+    code, out, _ = relay(capsys, "runs", "compare", "a-run", "b-run", "--storage", str(storage))
+    lines = out.splitlines()
+    assert lines[0].split() == ["run", "a-run", "b-run"]
+    assert ["optim.lr", "0.01", "0.1"] in [line.split() for line in lines]
+    assert ["epoch", "3", "-"] in [line.split() for line in lines]
+
+    for argv, message in [
+        (["a-run"], "takes 2 run ids, got 1"),
+        (["a-run", "nope"], "no run 'nope'"),
+    ]:
+        code, out, err = relay(capsys, "runs", "compare", *argv, "--storage", str(storage))
+        assert (code, out) == (2, "") and message in err
