@@ -85,6 +85,13 @@ def test_train_json_runs_and_show(tmp_path, mlflow):
 
     _check_mlflow_run(uri, result, history_epochs, tmp_path)
 
+    # Each worker's own output, kept with the run: one attempt of each of the 2 ranks.
+    logs = relay("runs", "logs", result["run_id"], storage=tmp_path).stdout.splitlines()
+    assert [line.split(" on ")[0] for line in logs if "--- relay: rank" in line] == [
+        "[rank 0] --- relay: rank 0 of 2",
+        "[rank 1] --- relay: rank 1 of 2",
+    ], logs
+
     shown = json.loads(
         relay("runs", "show", result["run_id"][:12], "--json", storage=tmp_path).stdout
     )
@@ -265,7 +272,17 @@ def test_a_run_goes_on_when_its_mlflow_server_stops(tmp_path, mlflow):
         assert run.poll() is None and time.monotonic() < deadline, "the run never opened"
         time.sleep(0.2)
     stop_session(server)
+    # Following the run's worker logs while it trains: it ends by itself when the run does.
+    follow = subprocess.Popen(
+        [str(BIN / "relay"), "runs", "logs", "-f", _records(tmp_path)[0].parent.name],
+        cwd=REPO, env=subprocess_env(RELAY_HOME=str(tmp_path)), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
     out, err = run.communicate(timeout=240)
+    followed, _ = follow.communicate(timeout=60)
+    assert follow.returncode == 0
+    assert "[rank 0] --- relay: rank 0 of 2" in followed
+    assert "[rank 1] --- relay: rank 1 of 2" in followed
     assert run.returncode == 0, err
     warnings = [line for line in err.splitlines() if f"MLflow at {uri} failed" in line]
     assert len(warnings) == 1 and "training goes on" in warnings[0], err

@@ -7,6 +7,7 @@ cluster work: Ray is not even imported until the config is valid).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import sys
@@ -102,10 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     runs = sub.add_parser(
         "runs",
-        help="list recorded runs (newest first); `show RUN`; `compare A B`; `rm RUN...`",
+        help="list recorded runs (newest first); `show RUN`; `logs RUN [-f]`; `compare A B`; "
+        "`rm RUN...`",
     )
     runs.add_argument(
-        "action", nargs="?", choices=["show", "compare", "rm"], help="what to do with RUN"
+        "action",
+        nargs="?",
+        choices=["show", "logs", "compare", "rm"],
+        help="what to do with RUN",
     )
     runs.add_argument("run_ids", nargs="*", metavar="RUN", help="run ids (or unique prefixes)")
     runs.add_argument(
@@ -113,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="rm: also runs a model version points at, or recorded as running",
     )
+    runs.add_argument(
+        "-f", "--follow", action="store_true", help="logs: keep printing while the run runs"
+    )
+    runs.add_argument("--rank", type=int, help="logs: only this rank's")
     runs.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
     runs.add_argument("--json", action="store_true", help="print JSON")
 
@@ -280,7 +289,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     from relay import history, registry
 
     storage = config_mod.resolve_storage(args.storage)
-    wanted = {None: 0, "show": 1, "compare": 2}.get(args.action)
+    wanted = {None: 0, "show": 1, "logs": 1, "compare": 2}.get(args.action)
     if wanted is not None and len(args.run_ids) != wanted:
         return _fail(
             f"runs {args.action or ''}: takes {wanted} run id{'s' * (wanted != 1)}, "
@@ -289,6 +298,8 @@ def _cmd_runs(args: argparse.Namespace) -> int:
         )
     if args.action == "rm":
         return _runs_rm(storage, args)
+    if args.action == "logs":
+        return _runs_logs(storage, args)
     if args.action == "compare":
         return _runs_compare(storage, args)
     if args.action == "show":
@@ -333,6 +344,30 @@ def _runs_rm(storage: Path, args: argparse.Namespace) -> int:
     run_admin.remove(records)
     removed = [r["run_id"] for r in records]
     print(json.dumps({"removed": removed}) if args.json else f"removed {', '.join(removed)}")
+    return 0
+
+
+def _runs_logs(storage: Path, args: argparse.Namespace) -> int:
+    from relay import registry, worker_logs
+
+    try:
+        record = registry.get_run(storage, args.run_ids[0])
+    except KeyError as exc:
+        return _fail(f"runs logs: {exc.args[0]}", EXIT_USAGE)
+    run_dir = Path(record["run_dir"])
+    present = worker_logs.ranks(run_dir)
+    if args.rank is not None and args.rank not in present and not args.follow:
+        return _fail(
+            f"runs logs: run {record['run_id']} has no log of rank {args.rank}", EXIT_USAGE
+        )
+
+    def running() -> bool:
+        return (registry.read(run_dir) or {}).get("status") == "running"
+
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends a follow; the run goes on
+        worker_logs.show(
+            run_dir, sys.stdout, rank=args.rank, follow=running if args.follow else None
+        )
     return 0
 
 

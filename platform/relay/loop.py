@@ -21,7 +21,7 @@ import ray.train.torch
 import torch
 from torch import nn
 
-from relay import checkpoint, efficiency, history, ingest, parallel
+from relay import checkpoint, efficiency, history, ingest, parallel, worker_logs
 from relay.config import RunConfig
 from relay.epochs import Epochs, build_scheduler, fast_forward, optimizer_spec, steps_per_epoch
 from relay.tasks import build_task
@@ -59,7 +59,14 @@ def _config_hyperparameters_win(optimizer: torch.optim.Optimizer, cfg: RunConfig
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
-    """Train `loop_config["run"]` (a RunConfig as a dict) on this worker; see trainer.py."""
+    """Train `loop_config["run"]` (a RunConfig as a dict) on this worker; see trainer.py.
+    What the worker prints is also kept in the run's logs/ (`relay runs logs`)."""
+    run_dir = Path(loop_config["run_dir"])
+    with worker_logs.captured(run_dir, parallel.rank(), parallel.world_size()):
+        return _train(loop_config)
+
+
+def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     loop_started_at = time.time()
     parallel.set_device(ray.train.torch.get_device())
     memory_at_start = parallel.current_memory()  # the worker process before any training state
