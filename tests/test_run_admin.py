@@ -1,5 +1,5 @@
-"""`relay runs rm` and `relay runs compare` on a storage path written by relay's own record
-functions (no Ray: these verbs only read and delete files). `models alias` and `models show`
+"""`relay runs rm`, `runs gc` and `runs compare` on a storage path written by relay's own
+record functions (no Ray: these verbs only read and delete files). `models alias` and `models show`
 on a trained model are tested in test_cli.py."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support import REPO
 
 from relay import config, registry
 from relay.cli import main
@@ -19,6 +20,8 @@ def write_run(storage: Path, run_id: str, status: str, overrides: list[str], met
     cfg = config.load(None, ["task=digits", *overrides])
     run_dir = registry.runs_root(storage) / run_id
     (run_dir / "epoch_0001").mkdir(parents=True)
+    (run_dir / "epoch_0001" / "meta.json").write_text(json.dumps({"epoch": 1}))
+    (run_dir / "epoch_0001" / "model.safetensors").write_bytes(b"w" * 1000)
     record = {
         "run_id": run_id,
         "task": "digits",
@@ -42,9 +45,9 @@ def relay(capsys, *argv: str) -> tuple[int, str, str]:
 
 @pytest.fixture
 def storage(tmp_path):
-    write_run(tmp_path, "a-run", "finished", ["optim.lr=0.01"], {"epoch": 3, "val_loss": 0.5})
-    write_run(tmp_path, "b-run", "finished", ["optim.lr=0.1", "epochs=5"], {"val_loss": 0.4})
-    served = write_run(tmp_path, "served", "finished", [], {"val_loss": 0.3})
+    write_run(tmp_path, "a-run", "finished", ["optim.lr=0.01"], {"epoch": 3, "val_accuracy": 0.8})
+    write_run(tmp_path, "b-run", "finished", ["optim.lr=0.1", "epochs=5"], {"val_accuracy": 0.9})
+    served = write_run(tmp_path, "served", "finished", [], {"val_accuracy": 0.7})
     write_run(tmp_path, "live", "running", [], {})
     registry.register_version(
         tmp_path, "digits", {"checkpoint": served["checkpoint"], "run_id": "served"}
@@ -86,7 +89,7 @@ def test_compare_puts_two_runs_side_by_side(storage, capsys):
     assert comparison["runs"] == ["a-run", "b-run"]
     # Only the fields that differ, by the names --set takes.
     assert comparison["config"] == {"epochs": [10, 5], "optim.lr": [0.01, 0.1]}
-    assert comparison["metrics"] == {"epoch": [3, None], "val_loss": [0.5, 0.4]}
+    assert comparison["metrics"] == {"epoch": [3, None], "val_accuracy": [0.8, 0.9]}
 
     code, out, _ = relay(capsys, "runs", "compare", "a-run", "b-run", "--storage", str(storage))
     lines = out.splitlines()
@@ -100,3 +103,39 @@ def test_compare_puts_two_runs_side_by_side(storage, capsys):
     ]:
         code, out, err = relay(capsys, "runs", "compare", *argv, "--storage", str(storage))
         assert (code, out) == (2, "") and message in err
+
+
+def test_gc_frees_the_checkpoints_of_runs_nobody_needs_and_keeps_their_records(
+    storage, capsys, monkeypatch
+):
+    def checkpoints() -> set[str]:
+        return {p.parent.parent.name for p in storage.glob("runs/*/epoch_*/model.safetensors")}
+
+    before = checkpoints()
+    for argv, message in [([], "--keep-best N"), (["--keep-best", "-1"], "not a count")]:
+        code, _, err = relay(capsys, "runs", "gc", *argv, "--storage", str(storage))
+        assert code == 2 and message in err
+    # digits' metric is val_accuracy (max): b-run is the best; "served" is a model version's;
+    # "live" is running. Only a-run's checkpoints go.
+    code, out, _ = relay(capsys, "runs", "gc", "--keep-best", "1", "--dry-run", "--json",
+                         "--storage", str(storage))  # fmt: skip
+    planned = json.loads(out)
+    assert code == 0 and [r["run_id"] for r in planned["runs"]] == ["a-run"]
+    assert planned["bytes"] == 1000 + len(json.dumps({"epoch": 1}))
+    assert checkpoints() == before  # a dry run deletes nothing
+    code, out, _ = relay(capsys, "runs", "gc", "--keep-best", "1", "--storage", str(storage))
+    assert code == 0 and out.splitlines()[0] == "deleted 1 checkpoints of a-run"
+    assert checkpoints() == before - {"a-run"}
+    record = registry.get_run(storage, "a-run")
+    assert record["collected"]["checkpoints"] == ["epoch_0001"] and record["status"] == "finished"
+    # Its record still shows (no "damaged checkpoint"), and it cannot be resumed.
+    code, out, err = relay(capsys, "runs", "show", "a-run", "--storage", str(storage))
+    assert (code, err) == (0, "") and "collected:" in out
+    monkeypatch.setenv("RELAY_HOME", str(storage))
+    code, _, err = relay(
+        capsys, "train", str(REPO / "jobs/configs/digits.yaml"), "--resume", "a-run"
+    )
+    assert code == 2 and "deleted by `relay runs gc`" in err and "cannot resume" in err
+    # keep-best 0: the best run goes too; the served one never does.
+    relay(capsys, "runs", "gc", "--keep-best", "0", "--storage", str(storage))
+    assert checkpoints() == {"served", "live"}

@@ -104,12 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     runs = sub.add_parser(
         "runs",
         help="list recorded runs (newest first); `show RUN`; `logs RUN [-f]`; `compare A B`; "
-        "`rm RUN...`",
+        "`rm RUN...`; `gc --keep-best N`",
     )
     runs.add_argument(
         "action",
         nargs="?",
-        choices=["show", "logs", "compare", "rm"],
+        choices=["show", "logs", "compare", "rm", "gc"],
         help="what to do with RUN",
     )
     runs.add_argument("run_ids", nargs="*", metavar="RUN", help="run ids (or unique prefixes)")
@@ -122,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
         "-f", "--follow", action="store_true", help="logs: keep printing while the run runs"
     )
     runs.add_argument("--rank", type=int, help="logs: only this rank's")
+    runs.add_argument(
+        "--keep-best",
+        type=int,
+        metavar="N",
+        help="gc: of the runs that ended, the N best of each task and metric keep their "
+        "checkpoints (and every run a model version points at); the rest lose them",
+    )
+    runs.add_argument("--dry-run", action="store_true", help="gc: only say what it would delete")
     runs.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
     runs.add_argument("--json", action="store_true", help="print JSON")
 
@@ -159,6 +167,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, args.overrides)
     from relay import registry
     from relay.checkpoint import CorruptCheckpoint
+    from relay.run_admin import collected_reason
     from relay.trainer import check_resumable, fit  # imports Ray: only with a good config
 
     run_id = None
@@ -169,6 +178,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             return _fail(f"--resume: {exc.args[0]}", EXIT_USAGE)
         check_resumable(previous["config"], cfg)  # a ConfigError: exit 2, naming the field
         run_id = previous["run_id"]
+        if reason := collected_reason(previous):
+            return _fail(f"--resume: {reason}", EXIT_USAGE)
     try:
         result = fit(cfg, verbose=args.verbose, model_name=args.model_name, run_id=run_id)
     except CorruptCheckpoint as exc:  # found before any cluster work; the run is unchanged
@@ -275,6 +286,8 @@ def _damaged_checkpoint(record: dict[str, Any]) -> str | None:
 
     from relay import checkpoint
 
+    if record.get("collected"):  # deleted on purpose by `relay runs gc`: the record says so
+        return None
     latest = checkpoint.latest_registered(record["run_dir"])
     paths = [record.get("checkpoint"), record.get("last_checkpoint"), latest and latest[0]]
     for path in dict.fromkeys(str(p) for p in paths if p):
@@ -289,7 +302,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     from relay import history, registry
 
     storage = config_mod.resolve_storage(args.storage)
-    wanted = {None: 0, "show": 1, "logs": 1, "compare": 2}.get(args.action)
+    wanted = {None: 0, "show": 1, "logs": 1, "compare": 2, "gc": 0}.get(args.action)
     if wanted is not None and len(args.run_ids) != wanted:
         return _fail(
             f"runs {args.action or ''}: takes {wanted} run id{'s' * (wanted != 1)}, "
@@ -300,6 +313,8 @@ def _cmd_runs(args: argparse.Namespace) -> int:
         return _runs_rm(storage, args)
     if args.action == "logs":
         return _runs_logs(storage, args)
+    if args.action == "gc":
+        return _runs_gc(storage, args)
     if args.action == "compare":
         return _runs_compare(storage, args)
     if args.action == "show":
@@ -344,6 +359,30 @@ def _runs_rm(storage: Path, args: argparse.Namespace) -> int:
     run_admin.remove(records)
     removed = [r["run_id"] for r in records]
     print(json.dumps({"removed": removed}) if args.json else f"removed {', '.join(removed)}")
+    return 0
+
+
+def _runs_gc(storage: Path, args: argparse.Namespace) -> int:
+    from relay import console, run_admin
+
+    if args.keep_best is None:
+        return _fail(
+            "runs gc: --keep-best N says how many of the best runs keep theirs", EXIT_USAGE
+        )
+    try:
+        plan = run_admin.plan_collection(storage, args.keep_best)
+    except ValueError as exc:
+        return _fail(f"runs gc: {exc}", EXIT_USAGE)
+    if not args.dry_run:
+        run_admin.collect(storage, plan)
+    freed = sum(entry["bytes"] for entry in plan)
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, "runs": plan, "bytes": freed}))
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    for entry in plan:
+        print(f"{verb} {len(entry['checkpoints'])} checkpoints of {entry['run_id']}")
+    print(f"{verb} {console.human_bytes(freed)} in {len(plan)} runs")
     return 0
 
 

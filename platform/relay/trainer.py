@@ -15,7 +15,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from relay import checkpoint, cluster, console, efficiency, history, registry, tracking
+from relay import (
+    checkpoint,
+    cluster,
+    console,
+    efficiency,
+    history,
+    registry,
+    run_admin,
+    tracking,
+)
 from relay.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
@@ -152,6 +161,8 @@ def fit(
     started = times["started"]
     previous = registry.read(registry.runs_root(cfg.storage_path()) / run_id) if run_id else None
     if previous:
+        if reason := run_admin.collected_reason(previous):
+            raise ValueError(reason)
         check_resumable(previous["config"], cfg)
         # The checkpoint the workers will load, checked here: a damaged one fails now, naming
         # the file, not on every worker (and every retry) after a cluster start.
