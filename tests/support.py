@@ -179,3 +179,47 @@ def mlflow_client(uri: str):
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+CHROMIUM_FLAGS = (
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--enable-logging=stderr", "--v=0",
+)  # fmt: skip
+
+
+def render_page(page: Path, directory: Path) -> tuple[Path, str, list[str]]:
+    """Open `page` in a real headless Chromium (.ci/run installs Debian's): a screenshot, the
+    DOM after load, and the lines Chromium logged from the page's console."""
+    import shutil
+
+    import pytest
+
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("NO BROWSER: Debian's chromium is not installed (.ci/run installs it)")
+    profile = directory / "chromium-profile"
+    screenshot = directory / f"{page.stem}.png"
+    common = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}"]
+    shot = subprocess.run(
+        [*common, f"--screenshot={screenshot}", "--window-size=1100,2400", page.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert screenshot.exists(), shot.stderr
+    dom = subprocess.run(
+        [*common, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120
+    )
+    console = [line for line in shot.stderr.splitlines() if "CONSOLE" in line]
+    return screenshot, dom.stdout, console
+
+
+def pixels_of(screenshot: Path, rgb: tuple[int, int, int], tolerance: int = 30) -> int:
+    """How many pixels of the screenshot are within `tolerance` of the colour `rgb`."""
+    from PIL import Image
+
+    with Image.open(screenshot) as image:
+        return sum(
+            1
+            for pixel in image.convert("RGB").getdata()
+            if all(abs(c - r) <= tolerance for c, r in zip(pixel, rgb, strict=True))
+        )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import html
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -16,6 +18,8 @@ from support import (
     REPO,
     mlflow_client,
     mlflow_server,
+    pixels_of,
+    render_page,
     stop_session,
     subprocess_env,
     tensorboard_scalars,
@@ -59,13 +63,15 @@ def test_train_json_runs_and_show(tmp_path, mlflow):
     assert lines[0].startswith("run sine-")
     assert [line.split()[1] for line in lines[1:4]] == ["1/3", "2/3", "3/3"]
     assert lines[4].startswith("efficiency: 2 workers, ddp")
-    report = lines[5:-3]
+    report = lines[5:-4]
     assert [line.split()[0] for line in report] == [
         "start-up", "throughput", "step", "flops", "rank", "rank", "scaling"
     ], out.stdout  # fmt: skip
-    assert lines[-3].startswith("model: sinetask:1 at ")
-    assert lines[-2].startswith(f"mlflow: {uri}/#/experiments/")
+    assert lines[-4].startswith("model: sinetask:1 at ")
+    assert lines[-3].startswith(f"mlflow: {uri}/#/experiments/")
+    assert lines[-2].startswith("report: ")
     result = json.loads(lines[-1])
+    _check_report_page(Path(lines[-2].removeprefix("report: ")), result, tmp_path)
     assert {"run_id", "checkpoint", "metrics", "best_metrics", "efficiency"} <= set(result)
     assert result["efficiency"]["workers"] == 2
     assert result["checkpoint"].startswith(str(tmp_path))
@@ -113,6 +119,30 @@ def test_train_json_runs_and_show(tmp_path, mlflow):
 
     missing = relay("runs", "show", "nope", storage=tmp_path, check=False)
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
+
+
+def _check_report_page(page: Path, result: dict, tmp_path) -> None:
+    """The page `relay train` wrote, in a real browser: it loads without console errors, every
+    series is in the DOM, and the charts are drawn (the loss curves' colour is on screen)."""
+    assert page == tmp_path / "runs" / result["run_id"] / "report.html"
+    screenshot, dom, console = render_page(page, tmp_path)
+    assert console == []
+    record = registry.get_run(tmp_path, result["run_id"])
+    metric = record["config"]["checkpoint"]["metric"]
+    expected = {"train_loss", "val_loss", metric, "samples_per_s", "lr"}
+    expected |= {"start-up", "compute", "communication", "input wait"}
+    expected |= {"validation, checkpoint", "end"}
+    assert set(re.findall(r'id="trace-([^"]+)"', dom)) == expected
+    assert dom.count('<figure class="chart">') == 4 + (metric not in ("train_loss", "val_loss"))
+    assert pixels_of(screenshot, (31, 119, 180)) > 300  # matplotlib's first colour: train_loss
+    assert html.escape(f"epochs: {record['config']['epochs']}") in dom  # the config section
+
+    # `relay report` writes it again, anywhere; a reference to nothing exits 2 with one line.
+    again = relay("report", result["model"], "-o", str(tmp_path / "again.html"), storage=tmp_path)
+    assert again.stdout.strip() == str(tmp_path / "again.html")
+    assert "trace-train_loss" in (tmp_path / "again.html").read_text()
+    missing = relay("report", "nope", storage=tmp_path, check=False)
+    assert missing.returncode == 2 and len(missing.stderr.splitlines()) == 1
 
 
 def _check_mlflow_run(uri: str, result: dict, epochs: list[dict], tmp_path) -> None:

@@ -82,7 +82,8 @@ def test_rm_deletes_runs_and_refuses_what_a_model_or_a_live_run_needs(storage, c
 
 
 def test_compare_puts_two_runs_side_by_side(storage, capsys):
-    code, out, err = relay(capsys, "runs", "compare", "a-run", "b-run", "--json",
+    # Flags may come before the run ids, as in `relay runs logs -f RUN`.
+    code, out, err = relay(capsys, "runs", "compare", "--json", "a-run", "b-run",
                            "--storage", str(storage))  # fmt: skip
     assert (code, err) == (0, "")
     comparison = json.loads(out)

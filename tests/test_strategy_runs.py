@@ -9,16 +9,18 @@ start-up of a resumed run.
 from __future__ import annotations
 
 import math
+import re
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import requests
-from support import REPO, free_port, mlflow_client, tensorboard_scalars
+from support import REPO, free_port, mlflow_client, pixels_of, render_page, tensorboard_scalars
 
 import relay
 from relay import checkpoint, history, registry, sweep
+from relay import report as report_page
 from relay.config import SweepConfig, from_dict
 from relay.tasks import build_task
 
@@ -105,6 +107,23 @@ def test_a_sweep_is_an_mlflow_run_with_a_nested_run_per_trial(strategy_sweep, re
     winner = trials[result.best["run_id"]]
     assert best.run_id == winner.info.run_id and best.tags["relay.version"] == "1"
     assert parent.data.metrics["best_score"] == pytest.approx(result.best["best_score"])
+
+
+def test_the_sweeps_report_page_draws_every_trial(strategy_sweep, relay_home, tmp_path):
+    """`relay report <sweep>` in a real browser: every trial's curve and config line, the
+    best one drawn in its own colour, and the table with the best row marked."""
+    result, _ = strategy_sweep
+    page = tmp_path / "sweep.html"
+    report_page.write(relay_home, result.sweep, page)
+    screenshot, dom, console = render_page(page, tmp_path)
+    assert console == []
+    trials = {t["trial_id"] for t in result.trials}
+    traces = set(re.findall(r'id="trace-([^"]+)"', dom))
+    assert traces == trials | {f"config-{t}" for t in trials}
+    assert pixels_of(screenshot, (214, 39, 40)) > 300  # the best trial's colour
+    best_row = re.search(r"<tr class=\"best\">(.*?)</tr>", dom).group(1)
+    assert f"<td>{result.best['trial_id']}</td>" in best_row
+    assert dom.count("<tr") == 1 + len(trials)  # the header and one row per trial
 
 
 def _train_rows(run: dict) -> int:

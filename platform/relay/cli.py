@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("reference", help="print the config reference (Markdown)")
 
+    report = sub.add_parser(
+        "report",
+        help="write a run's, sweep's or model's report: one self-contained HTML page of charts",
+    )
+    report.add_argument("ref", help="run id, sweep id (or unique prefix), or model reference")
+    report.add_argument("-o", "--out", help="file to write (default: report.html in its dir)")
+    report.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
+
     models = sub.add_parser(
         "models",
         help="list model versions and their aliases; `show REF`; `alias NAME:VERSION ALIAS`",
@@ -186,6 +194,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return _fail(f"--resume: {exc}", EXIT_USAGE)
     except Exception as exc:  # the run failed on the cluster; its record says so too
         return _fail(f"training failed: {_failure_summary(exc)}", EXIT_FAILED)
+    _write_report(cfg.storage_path(), result.run_id)
     if args.json:
         payload = result.to_json_dict()
         payload.pop("history")
@@ -232,9 +241,20 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         raise  # exit 2, naming the field (e.g. a PBT population the cluster cannot hold)
     except Exception as exc:
         return _fail(f"sweep failed: {exc}", EXIT_FAILED)
+    _write_report(storage, result.sweep)
     if args.json:
         print(json.dumps(result.to_json_dict(), default=str))
     return 0 if result.best else EXIT_FAILED
+
+
+def _write_report(storage: Path, ref: str) -> None:
+    """The run's or sweep's report page, written at its end (a second or two); where it is."""
+    from relay import report
+
+    try:
+        print(f"report: {report.write(storage, ref)}")
+    except (OSError, ImportError) as exc:  # the run itself is done and recorded either way
+        print(f"relay: no report page ({exc})", file=sys.stderr)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -571,6 +591,22 @@ def _models_show(storage: Path, ref: str, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from relay import checkpoint, report, sweep_records
+
+    storage = config_mod.resolve_storage(args.storage)
+    try:
+        path = report.write(storage, args.ref, Path(args.out) if args.out else None)
+    except (KeyError, sweep_records.SweepRecordError) as exc:
+        return _fail(f"report: {exc.args[0]}", EXIT_USAGE)
+    except checkpoint.CorruptCheckpoint as exc:
+        return _fail(f"report: {args.ref}: damaged checkpoint: {exc}", EXIT_FAILED)
+    except OSError as exc:
+        return _fail(f"report: cannot write {args.out or 'the page'}: {exc.strerror}", EXIT_USAGE)
+    print(path)
+    return 0
+
+
 def _cmd_reference(args: argparse.Namespace) -> int:
     from relay.reference import config_reference
 
@@ -608,6 +644,7 @@ COMMANDS = {
     "runs": _cmd_runs,
     "sweeps": _cmd_sweeps,
     "reference": _cmd_reference,
+    "report": _cmd_report,
     "models": _cmd_models,
     "serve": serving.cmd_serve,
     "tokenizer": _cmd_tokenizer,
@@ -617,9 +654,11 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command == "models" and not any(e.startswith("-") for e in extra):
-        # `models alias --rm NAME ALIAS`: argparse ends a positional list at the first flag.
-        args.words += extra
+    # `models alias --rm NAME ALIAS`, `runs logs -f RUN`: argparse ends a list of positionals
+    # at the first flag; the words after it belong to the same list.
+    positionals = {"models": "words", "runs": "run_ids"}.get(args.command)
+    if extra and positionals and not any(e.startswith("-") for e in extra):
+        setattr(args, positionals, getattr(args, positionals) + extra)
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
