@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import yaml
 from support import REPO
 
-from relay import checkpoint, history, registry, sweep
+from relay import checkpoint, history, registry, report, sweep
 from relay.cli import main as relay_main
 from relay.config import ConfigError, SweepConfig, load_sweep, sweep_from_dict
 
@@ -129,6 +130,10 @@ def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
         lr = {3e-3: "0.003", 1e-2: "0.01", 1e-5: "1e-05", 1e-6: "1e-06"}
         assert f"optim.lr={lr[expected['config']['optim.lr']]}" in row
     assert f"model: {result.model}" in table
+
+    # The sweep's report page marks where ASHA stopped a trial: every stopped one, no other.
+    page = report.write(storage, result.sweep).read_text()
+    assert set(re.findall(r'id="stopped-([^"]+)"', page)) == {t["trial_id"] for t in stopped}
 
 
 def test_placement_groups_of_dead_actors_are_released(ray_cluster):

@@ -176,7 +176,8 @@ def sweep_page(storage: Path, sweep_id: str) -> str:
         xs, ys = [p[0] for p in points], [p[1] for p in points]
         _series(axes, xs, ys, trial["trial_id"], marker="o", markersize=3, **style)
         if trial["status"] == "stopped":  # where ASHA stopped it
-            axes.plot([points[-1][0]], [points[-1][1]], "x", color="black", markersize=8)
+            (mark,) = axes.plot([xs[-1]], [ys[-1]], "x", color="black", markersize=8)
+            mark.set_gid(f"stopped-{trial['trial_id']}")
     axes.set_xlabel("epoch")
     axes.set_ylabel(metric)
     sections = [_chart(f"{metric} per epoch, every trial (x: stopped by ASHA)", _svg(figure))]
