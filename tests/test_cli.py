@@ -183,6 +183,7 @@ def _check_mlflow_run(uri: str, result: dict, epochs: list[dict], tmp_path) -> N
     assert artifact("relay/efficiency.json") == result["efficiency"]
     checkpoint_meta = Path(result["checkpoint"]) / "meta.json"
     assert artifact("relay-checkpoint/meta.json") == json.loads(checkpoint_meta.read_text())
+    assert artifact("relay/meta.json") == json.loads(checkpoint_meta.read_text())
     version = client.get_model_version_by_alias("sinetask", "best")
     assert version.run_id == run.info.run_id and version.tags["relay.version"] == "1"
     assert version.tags["relay.checkpoint"] == result["checkpoint"]

@@ -97,6 +97,9 @@ def test_a_sweep_is_an_mlflow_run_with_a_nested_run_per_trial(strategy_sweep, re
         assert trial.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert trial.info.status == "FINISHED"
         assert trial.data.params["parallel.strategy"] == strategy
+        # Every trial's run has its best checkpoint's meta.json, registered or not.
+        artifacts = {a.path for a in client.list_artifacts(trial.info.run_id, "relay")}
+        assert artifacts == {"relay/efficiency.json", "relay/meta.json"}
         logged = client.get_metric_history(trial.info.run_id, "val_loss")
         assert [(m.step, m.value) for m in logged] == [
             (e["epoch"], pytest.approx(e["val_loss"], rel=1e-6))

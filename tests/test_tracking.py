@@ -115,7 +115,10 @@ def test_an_mlflow_run_gets_every_epoch_continues_on_resume_and_registers(tmp_pa
     assert mlflow_runs.register_version(
         run_dir, uri, opened["run_id"], version, best=True, meta=tmp_path / "meta.json"
     ) in (1, "1")
-    mlflow_runs.close_run(run_dir, uri, opened["run_id"], "FINISHED")
+    mlflow_runs.close_run(
+        run_dir, uri, opened["run_id"], "FINISHED", artifacts={"efficiency": {"workers": 2}},
+        files=[tmp_path / "meta.json"],
+    )  # fmt: skip
 
     client = mlflow_client(uri)
     run = client.get_run(opened["run_id"])
@@ -130,6 +133,8 @@ def test_an_mlflow_run_gets_every_epoch_continues_on_resume_and_registers(tmp_pa
     assert registered.tags == {"relay.version": "1", "relay.checkpoint": str(tmp_path)}
     artifacts = {a.path for a in client.list_artifacts(opened["run_id"], "relay-checkpoint")}
     assert artifacts == {"relay-checkpoint/checkpoint.json", "relay-checkpoint/meta.json"}
+    ended = {a.path for a in client.list_artifacts(opened["run_id"], "relay")}
+    assert ended == {"relay/efficiency.json", "relay/meta.json"}
     assert not failures.failed(run_dir, mlflow_runs.TRACKER)
 
 

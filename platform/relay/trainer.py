@@ -253,7 +253,7 @@ def fit(
         },
         final=True,
     )
-    tracked.close("FINISHED", efficiency=run.efficiency)
+    tracked.close("FINISHED", efficiency=run.efficiency, checkpoint=run.checkpoint)
     if out is not None:
         if run.efficiency:
             out.write(efficiency.format_report(run.efficiency) + "\n")

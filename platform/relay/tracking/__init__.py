@@ -77,8 +77,14 @@ class RunTracking:
         url = mlflow_runs.run_url(self.mlflow)
         return f"mlflow: {url or self.mlflow['uri']} (run {self.mlflow['run_id']})"
 
-    def close(self, status: str, *, efficiency: dict | None = None) -> None:
-        """The run ended with `status` (FINISHED, FAILED or KILLED)."""
+    def close(
+        self, status: str, *, efficiency: dict | None = None, checkpoint: str | None = None
+    ) -> None:
+        """The run ended with `status` (FINISHED, FAILED or KILLED): its efficiency report and
+        its best `checkpoint`'s meta.json go with it."""
+        from relay.checkpoint import META
+
+        meta = Path(checkpoint) / META if checkpoint else None
         if self.mlflow:
             mlflow_runs.close_run(
                 self.run_dir,
@@ -86,6 +92,7 @@ class RunTracking:
                 self.mlflow["run_id"],
                 status,
                 artifacts={"efficiency": efficiency},
+                files=[meta] if meta and meta.exists() else [],
             )
         self.announce()
 

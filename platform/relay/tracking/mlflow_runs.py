@@ -191,10 +191,12 @@ def close_run(
     status: str,
     *,
     artifacts: dict[str, Any] | None = None,
+    files: list[Path] = (),
     metrics: dict[str, Any] | None = None,
 ) -> None:
     """End the MLflow run with `status` (FINISHED, FAILED, KILLED); `artifacts` maps names to
-    JSON-able records (written as `relay/<name>.json`); `metrics` are logged without a step."""
+    JSON-able records (written as `relay/<name>.json`), `files` are copied into `relay/`;
+    `metrics` are logged without a step."""
 
     def close() -> None:
         from mlflow.entities import Metric
@@ -203,6 +205,8 @@ def close_run(
         for artifact, record in (artifacts or {}).items():
             if record is not None:
                 client.log_dict(run_id, record, f"relay/{artifact}.json")
+        for path in files:
+            client.log_artifact(run_id, str(path), "relay")
         if metrics:
             now = int(time.time() * 1000)
             values = [Metric(k, v, now, 0) for k, v in numeric_metrics(metrics).items()]
