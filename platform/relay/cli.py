@@ -194,6 +194,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return _fail(f"--resume: {exc}", EXIT_USAGE)
     except Exception as exc:  # the run failed on the cluster; its record says so too
         return _fail(f"training failed: {_failure_summary(exc)}", EXIT_FAILED)
+    _detach_from_ray()
     _write_report(cfg.storage_path(), result.run_id)
     if args.json:
         payload = result.to_json_dict()
@@ -241,10 +242,20 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         raise  # exit 2, naming the field (e.g. a PBT population the cluster cannot hold)
     except Exception as exc:
         return _fail(f"sweep failed: {exc}", EXIT_FAILED)
+    _detach_from_ray()
     _write_report(storage, result.sweep)
     if args.json:
         print(json.dumps(result.to_json_dict(), default=str))
     return 0 if result.best else EXIT_FAILED
+
+
+def _detach_from_ray() -> None:
+    """The work is done: leave Ray now, not at exit. Until then Ray's log monitor may print a
+    raylet warning into stdout at any moment, after what `--json` promises is the last line."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def _write_report(storage: Path, ref: str) -> None:
