@@ -72,10 +72,7 @@ class RunTracking:
 
     def where(self) -> str | None:
         """A line saying where the run can be watched beyond relay (None: nowhere else)."""
-        if not self.mlflow:
-            return None
-        url = mlflow_runs.run_url(self.mlflow)
-        return f"mlflow: {url or self.mlflow['uri']} (run {self.mlflow['run_id']})"
+        return mlflow_runs.where(self.mlflow) if self.mlflow else None
 
     def close(
         self, status: str, *, efficiency: dict | None = None, checkpoint: str | None = None
@@ -222,8 +219,7 @@ def sweep_where(sweep_dir: Path) -> str | None:
     path = Path(sweep_dir) / SWEEP_TRACKING
     if not path.exists():
         return None
-    parent = json.loads(path.read_text())
-    return f"mlflow: {mlflow_runs.run_url(parent) or parent['uri']} (run {parent['run_id']})"
+    return mlflow_runs.where(json.loads(path.read_text()))
 
 
 def close_sweep(sweep_dir: Path, status: str, result: dict[str, Any] | None) -> None:

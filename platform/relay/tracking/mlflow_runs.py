@@ -85,6 +85,12 @@ def _call(directory: Path, uri: str, what: str, action: Callable[[], T]) -> T | 
         return None
 
 
+def where(run: dict[str, str]) -> str:
+    """The line that says where a tracked run or sweep is: its page on an MLflow server, or
+    the database URI (`mlflow ui` shows it)."""
+    return f"mlflow: {run_url(run) or run['uri']} (run {run['run_id']})"
+
+
 def run_url(run: dict[str, str]) -> str | None:
     """Where an MLflow server shows the run (None for a database URI: `mlflow ui` shows it)."""
     if not run["uri"].startswith(("http://", "https://")):
@@ -164,22 +170,21 @@ def open_run(
         from mlflow.entities import RunStatus
 
         client = _client(uri)
-        run_id = None
+        info = None
         if resume_id:
             try:
-                run_id = client.get_run(resume_id).info.run_id
-                client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+                info = client.get_run(resume_id).info
+                client.update_run(info.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
             except Exception:
-                run_id = None  # e.g. a new tracking URI: the resumed run starts a new one
-        if run_id is None:
+                info = None  # e.g. a new tracking URI: the resumed run starts a new one
+        if info is None:
             all_tags = {**version_tags(), **tags, "mlflow.runName": name}
             if parent_id:
                 all_tags["mlflow.parentRunId"] = parent_id
             exp = _experiment_id(client, experiment, artifact_root)
-            run_id = client.create_run(exp, run_name=name, tags=all_tags).info.run_id
-        _log_params(client, run_id, flat_params(config))
-        experiment_id = client.get_run(run_id).info.experiment_id
-        return {"uri": uri, "run_id": run_id, "experiment_id": experiment_id}
+            info = client.create_run(exp, run_name=name, tags=all_tags).info
+        _log_params(client, info.run_id, flat_params(config))
+        return {"uri": uri, "run_id": info.run_id, "experiment_id": info.experiment_id}
 
     return _call(directory, uri, "opening its run", start)
 
