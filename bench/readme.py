@@ -141,13 +141,44 @@ def overlap(f: dict[str, Any]) -> str:
 
 
 def serve_load(f: dict[str, Any]) -> str:
-    levels = f["levels"]
+    tiny = f["levels"]["tiny"]
     return (
-        f"c=32: relay {rate(get(levels, 'relay batched.32.rps'))} vs plain "
-        f"{rate(get(levels, 'plain.32.rps'))} req/s (`throughput_ratio_c32` "
-        f"**{ratio(f['throughput_ratio_c32'])}**), p99 "
-        f"{get(levels, 'relay batched.32.p99_ms'):.0f} vs {get(levels, 'plain.32.p99_ms'):.0f} ms"
+        f"tiny model, c=32: relay (HAProxy) {rate(get(tiny, 'haproxy.32.rps'))} vs plain "
+        f"{rate(get(tiny, 'plain.32.rps'))} req/s (`throughput_ratio_c32` "
+        f"**{ratio(f['throughput_ratio_c32'])}**, `p99_ratio_c32` {ratio(f['p99_ratio_c32'])}); "
+        f"Python proxy {ratio(f['proxy_ratio_c32'])}; heavy model batched vs plain "
+        f"**{ratio(f['batched_throughput_ratio_c32'])}**"
     )
+
+
+def serve_load_block(results: dict[str, dict[str, Any]]) -> str:
+    """bench/serve_load.py: every server at every level, both models."""
+    e = results["serve_load"]
+    f = e["figures"]
+    setup = f["setup"]
+    levels = sorted({int(c) for sides in f["levels"].values() for s in sides.values() for c in s})
+    lines = [
+        f"req/s, then p50 / p99 latency, median of {setup['repeats']} alternated repeats "
+        f"({setup['seconds_per_level']} s per level, {setup['client']}); tiny: "
+        f"{setup['models']['tiny']}, heavy: {setup['models']['heavy']}. A lone request through "
+        f"HAProxy: p50 {f['p50_gap_ms_c1']:+.2f} ms against plain. Run: `{e['command']}`, "
+        f"{(e['commit'] or '?')[:8]}{'+' if e['dirty'] else ''}, {e['date'][:10]}.",
+        "",
+        "| model | server | " + " | ".join(f"c={c}" for c in levels) + " |",
+        "|---|---|" + "---|" * len(levels),
+    ]
+    for model, sides in f["levels"].items():
+        for side, figures in sides.items():
+            cells = []
+            for c in levels:
+                x = figures.get(str(c))
+                cells.append(
+                    "—"
+                    if x is None
+                    else f"{rate(x['rps'])}, {x['p50_ms']:.1f} / {x['p99_ms']:.1f} ms"
+                )
+            lines.append(f"| {model} | {side} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def startup(f: dict[str, Any]) -> str:
@@ -188,7 +219,7 @@ TABLE = {
         startup,
     ),
     "overlap": ("one more trial than fits, started while others train, vs none", overlap),
-    "serve_load": ("relay Serve vs a plain FastAPI server, same model", serve_load),
+    "serve_load": ("`relay serve` (HAProxy, Python proxy) vs a plain FastAPI server", serve_load),
     "ingest": ("data from Parquet files vs a DataLoader and vs in memory", ingest),
 }
 
@@ -311,6 +342,7 @@ BLOCKS: dict[str, Callable[[dict[str, dict[str, Any]]], str]] = {
     "sample_plan": sample("sample_plan", lambda lines: lines),
     "startup": startup_block,
     "search_algorithms": search_algorithms,
+    "serve_load": serve_load_block,
 }
 
 

@@ -1,64 +1,93 @@
-""".venv/bin/python bench/serve_load.py
+""".venv/bin/python bench/serve_load.py [--seconds S] [--repeats N]
 
-What serving through relay (serve/app.py on Ray Serve) costs or gains over a plain FastAPI +
-uvicorn server running the same model on the same machine, measured in one run.
+What serving through `relay serve` costs or gains over a plain FastAPI + uvicorn server running
+the same model on the same machine, per ingress, measured in one run.
 
-The model: a `digits` MLP (`--size`, default "default": 64 → 256 → 128 → 10; `--hidden 2048,2048`
-for one whose forward outweighs the proxy hop) saved as a relay
-checkpoint and registered as `digits:1` in a temporary storage root. Three servers, each on a
-free 127.0.0.1 port, each answering `POST /v1/models/digits:predict` with one image per request
-(KServe v1 body), validated with the task's `Instance` schema and predicted with `task.predict`:
+Servers, each on a free 127.0.0.1 port, each answering `POST /v1/models/digits:predict` with one
+image per request (KServe v1 body), validated with the task's `Instance` schema and predicted
+with `task.predict` on one torch thread:
 
-  relay batched   serve/app.py: one replica (0.5 CPU), `@serve.batch` (max_batch_size 32,
-                  5 ms wait), max_ongoing_requests 256, access log off, behind Serve's proxy.
-  relay unbatched the same with max_batch_size 1 (every request is its own forward).
-  plain           this file run as `--plain CHECKPOINT --port P`: one uvicorn process, one
-                  FastAPI route, one forward per request, access log off; started as a
-                  subprocess and ended by its PID.
+  haproxy   `relay serve digits:1` as a user runs it (the CLI, its own embedded cluster), with
+            its default ingress: HAProxy straight to the replica (relay/serving/ingress.py).
+            One replica (0.5 CPU), adaptive batching (max_batch_size 32: a forward takes what is
+            queued when the model frees, no wait), access log off.
+  proxy     the same command with `--ingress proxy`: Serve's Python proxy in front.
+  haproxy serve.batch
+            `--batching serve`: Ray Serve's `@serve.batch` (5 ms wait after a batch's first
+            instance) instead of relay's adaptive batcher (relay/serving/batching.py).
+  plain     this file run as `--plain CHECKPOINT --port P`: one uvicorn process, one FastAPI
+            route, one forward per request, access log off.
 
-Both sides run torch on one intra-op thread (the replica reserves 0.5 CPU; more threads only
-fight the load generator on two cores). `--direct-ingress` sets RAY_SERVE_ENABLE_DIRECT_INGRESS=1
-before Ray starts and also measures the replica's own HTTP port (Serve allocates it from
-30000–31000), to compare with the proxy's port.
+Two models, each a digits MLP with weights as initialised (speed, not accuracy):
+  tiny   the "default" size (64 → 256 → 128 → 10): the ingress, not the model, sets the speed;
+         all three servers at c = 1, 8, 32, 64.
+  heavy  hidden 4096,4096 (a forward of milliseconds): relay batched (HAProxy; both batchers)
+         vs plain, which runs one forward per request, at c = 1 and 32 — where batching must
+         pay.
 
-Load: closed loop — `c` client threads, each with one keep-alive connection, send the next
-request as soon as the previous answer arrives — for `--seconds` per level after a 1 s warm-up,
-at c = 1, 8, 32. Figures per level: requests/s, p50 and p99 latency. The last stdout line is one
-JSON object: throughput_ratio_c32 and p99_ratio_c32 (relay batched / plain), every level's
-figures, and the set-up. Only loopback addresses are used; each level stops by itself.
+Load: Debian's `wrk` (C, one thread, a Lua script for the POST body and the figures), closed
+loop: `c` keep-alive connections, each sending its next request when the previous answer
+arrives, for `--seconds` per level after a 1 s warm-up run whose figures are dropped. The same
+client for every side; its own CPU time is reported (the two cores are the servers' too). Every
+server is started, measured at every level and stopped, side after side, in an order that
+alternates between repeats; per level the median over repeats (and min-max of requests/s).
+
+The last stdout line is one JSON object: throughput_ratio_c32 and p99_ratio_c32 (haproxy /
+plain, tiny), p50_gap_ms_c1 (haproxy − plain), proxy_ratio_c32 (proxy / plain),
+batched_throughput_ratio_c32 (heavy: relay batched / plain) and the same with @serve.batch,
+then every level's figures.
 """
 
 import argparse
-import http.client
+import contextlib
 import json
 import os
+import resource
+import shutil
+import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 MODEL = "digits"
 PATH = f"/v1/models/{MODEL}:predict"
-LEVELS = (1, 8, 32)
+TINY_LEVELS = (1, 8, 32, 64)
+HEAVY_LEVELS = (1, 32)
+HEAVY_HIDDEN = "4096,4096"
+READY_TIMEOUT_S = 180
+
+# wrk's Lua hooks: the POST body from a file, and at the end one JSON line with the figures
+# (latencies in microseconds).
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local file = io.open(os.getenv("RELAY_BENCH_BODY"), "rb")
+wrk.body = file:read("*a")
+file:close()
+
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    '{"requests": %d, "duration_us": %d, "p50_us": %d, "p99_us": %d, ' ..
+    '"errors": %d, "non_2xx": %d}\\n',
+    summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
+    e.connect + e.read + e.write + e.timeout, e.status))
+end
+"""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--seconds", type=float, default=6.0, help="measured seconds per level")
-    parser.add_argument("--size", default="default", help="digits size preset")
+    parser.add_argument("--seconds", type=int, default=6, help="measured seconds per level")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every side")
     parser.add_argument(
-        "--hidden",
-        help="override the MLP's hidden widths, e.g. 2048,2048: a model whose forward costs "
-        "more than the proxy hop, where batching shows what it buys",
-    )
-    parser.add_argument(
-        "--direct-ingress", action="store_true", help="Serve with direct ingress (see docstring)"
+        "--only", choices=("tiny", "heavy"), help="one model only (no summary ratios)"
     )
     parser.add_argument("--plain", metavar="CHECKPOINT", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -99,69 +128,84 @@ def run_plain_server(checkpoint_dir: str, port: int) -> None:
     uvicorn.run(api, host=HOST, port=port, access_log=False, log_level="warning")
 
 
-# --- load generator --------------------------------------------------------------------------
+# --- servers ---------------------------------------------------------------------------------
 
 
-def request_body() -> bytes:
-    from sklearn.datasets import load_digits
+class Server:
+    """One side, started in a session of its own and ended by that session's processes."""
 
-    image = load_digits().data[0].tolist()
-    return json.dumps({"instances": [image]}).encode()
+    def __init__(self, argv: list[str], ready_line: str | None) -> None:
+        self.process = subprocess.Popen(
+            argv,
+            env={**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        if ready_line is not None:  # relay serve says when it answers
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while time.monotonic() < deadline:
+                line = self.process.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"{argv} exited before it was ready")
+                if line.startswith(ready_line):
+                    return
+            raise TimeoutError(f"{argv} not ready after {READY_TIMEOUT_S} s")
+
+    def stop(self) -> None:
+        for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            members = session_members(self.process.pid)
+            for pid in members:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + grace
+            while session_members(self.process.pid) and time.monotonic() < deadline:
+                self.process.poll()
+                time.sleep(0.2)
+        self.process.wait(timeout=30)
 
 
-def post(conn: http.client.HTTPConnection, body: bytes) -> int:
-    conn.request("POST", PATH, body, {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    response.read()
-    return response.status
-
-
-def closed_loop(port: int, body: bytes, concurrency: int, seconds: float) -> dict[str, Any]:
-    """`concurrency` threads send requests back to back; figures from after the warm-up."""
-    start = time.perf_counter()
-    measure_from, stop_at = start + 1.0, start + 1.0 + seconds
-    latencies: list[list[float]] = [[] for _ in range(concurrency)]
-    errors = [0] * concurrency
-
-    def client(index: int) -> None:
-        conn = http.client.HTTPConnection(HOST, port, timeout=30)
-        while (now := time.perf_counter()) < stop_at:
+def session_members(sid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
             try:
-                ok = post(conn, body) == 200
+                if os.getsid(int(entry.name)) == sid:
+                    pids.append(int(entry.name))
             except OSError:
-                ok = False
-                conn.close()
-                conn = http.client.HTTPConnection(HOST, port, timeout=30)
-            done = time.perf_counter()
-            if now >= measure_from:
-                if ok:
-                    latencies[index].append(done - now)
-                else:
-                    errors[index] += 1
-        conn.close()
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    done = sorted(x for per_thread in latencies for x in per_thread)
-    if not done:
-        return {"rps": 0.0, "p50_ms": None, "p99_ms": None, "errors": sum(errors)}
-    return {
-        "rps": round(len(done) / seconds, 1),
-        "p50_ms": round(1000 * done[len(done) // 2], 2),
-        "p99_ms": round(1000 * done[min(len(done) - 1, int(len(done) * 0.99))], 2),
-        "errors": sum(errors),
-    }
+                pass
+    return pids
 
 
-def wait_until_up(port: int, body: bytes, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
+# relay's sides: `relay serve` flags.
+RELAY_SIDES = {
+    "haproxy": ["--ingress", "haproxy"],
+    "haproxy serve.batch": ["--ingress", "haproxy", "--batching", "serve"],
+    "proxy": ["--ingress", "proxy"],
+}
+
+
+def start_side(side: str, storage: Path, checkpoint_dir: str, port: int) -> Server:
+    if side == "plain":
+        argv = [sys.executable, __file__, "--plain", checkpoint_dir, "--port", str(port)]
+        server = Server(argv, ready_line=None)
+        wait_until_answering(port)
+        return server
+    argv = [sys.executable, "-m", "relay.cli", "serve", f"{MODEL}:1", "--storage", str(storage)]
+    argv += ["--port", str(port), "--num-cpus", "0.5", *RELAY_SIDES[side]]
+    return Server(argv, ready_line="curl ")
+
+
+def wait_until_answering(port: int, timeout_s: float = 60.0) -> None:
+    import http.client
+
+    body = Path(os.environ["RELAY_BENCH_BODY"]).read_bytes()
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
             conn = http.client.HTTPConnection(HOST, port, timeout=5)
-            if post(conn, body) == 200:
+            conn.request("POST", PATH, body, {"Content-Type": "application/json"})
+            if conn.getresponse().status == 200:
                 return
         except OSError:
             pass
@@ -170,34 +214,90 @@ def wait_until_up(port: int, body: bytes, timeout: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def measure(label: str, port: int, body: bytes, seconds: float) -> dict[int, dict[str, Any]]:
-    wait_until_up(port, body)
+# --- load ------------------------------------------------------------------------------------
+
+
+def wrk(port: int, concurrency: int, seconds: int, script: Path) -> dict[str, Any]:
+    """One closed-loop run of wrk (whole seconds: what its -d takes); its figures and the CPU
+    seconds it used."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    argv = ["wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--timeout", "30s"]
+    argv += ["-s", str(script), f"http://{HOST}:{port}{PATH}"]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{done.stdout}\n{done.stderr}")
+    out = done.stdout
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    figures = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    figures["client_cpu_s"] = (after.ru_utime - before.ru_utime) + (
+        after.ru_stime - before.ru_stime
+    )
+    return figures
+
+
+def measure(side: str, port: int, levels, seconds: float, script: Path) -> dict[int, dict]:
     results = {}
-    for concurrency in LEVELS:
-        results[concurrency] = figures = closed_loop(port, body, concurrency, seconds)
+    for concurrency in levels:
+        wrk(port, concurrency, 1, script)  # warm-up: connections, caches, batch sizes
+        raw = wrk(port, concurrency, seconds, script)
+        results[concurrency] = figures = {
+            "rps": round(raw["requests"] / (raw["duration_us"] / 1e6), 1),
+            "p50_ms": round(raw["p50_us"] / 1000, 2),
+            "p99_ms": round(raw["p99_us"] / 1000, 2),
+            "errors": raw["errors"] + raw["non_2xx"],
+            "client_cpu_share": round(raw["client_cpu_s"] / seconds, 3),
+        }
         print(
-            f"{label:<22} c={concurrency:<3} {figures['rps']:>8.1f} req/s   "
-            f"p50 {figures['p50_ms']} ms   p99 {figures['p99_ms']} ms   "
-            f"errors {figures['errors']}",
+            f"{side:<26} c={concurrency:<3} {figures['rps']:>8.1f} req/s   "
+            f"p50 {figures['p50_ms']:>7.2f} ms   p99 {figures['p99_ms']:>7.2f} ms   "
+            f"errors {figures['errors']}   wrk cpu {figures['client_cpu_share']:.0%}",
             flush=True,
         )
     return results
 
 
+def summarise(runs: list[dict[int, dict]]) -> dict[int, dict]:
+    """Median over repeats per level (and the spread of requests/s)."""
+    summary = {}
+    for level in runs[0]:
+        per_run = [run[level] for run in runs]
+        summary[level] = {
+            key: round(statistics.median(r[key] for r in per_run), 2)
+            for key in ("rps", "p50_ms", "p99_ms", "client_cpu_share")
+        }
+        summary[level]["rps_min"] = min(r["rps"] for r in per_run)
+        summary[level]["rps_max"] = max(r["rps"] for r in per_run)
+        summary[level]["errors"] = sum(r["errors"] for r in per_run)
+    return summary
+
+
+def compare(
+    label: str, sides: list[str], storage: Path, checkpoint_dir: str, levels, args, script: Path
+) -> dict[str, dict[int, dict]]:
+    runs: dict[str, list] = {side: [] for side in sides}
+    for repeat in range(args.repeats):
+        for side in sides if repeat % 2 == 0 else reversed(sides):
+            port = free_port()
+            server = start_side(side, storage, checkpoint_dir, port)
+            try:
+                runs[side].append(measure(f"{label} {side}", port, levels, args.seconds, script))
+            finally:
+                server.stop()
+    return {side: summarise(side_runs) for side, side_runs in runs.items()}
+
+
 # --- set-up ----------------------------------------------------------------------------------
 
 
-def make_checkpoint(storage: Path, size: str, hidden: str | None = None) -> str:
-    """A digits model registered as digits:1 (weights as initialised: speed, not accuracy)."""
+def make_checkpoint(storage: Path, hidden: str | None = None) -> str:
+    """A digits model registered as digits:1 in `storage`."""
     import torch
 
     from relay import checkpoint, config, registry
     from relay.tasks import build_task
 
     model_overrides = {"hidden": [int(w) for w in hidden.split(",")]} if hidden else {}
-    cfg = config.from_dict(
-        {"task": MODEL, "size": size, "model": model_overrides, "storage": str(storage)}
-    )
+    cfg = config.from_dict({"task": MODEL, "model": model_overrides, "storage": str(storage)})
     torch.manual_seed(0)
     model = build_task(cfg.task, cfg.size, cfg.model).build_model()
     directory = storage / "runs" / "bench" / "epoch_0000"
@@ -208,59 +308,15 @@ def make_checkpoint(storage: Path, size: str, hidden: str | None = None) -> str:
     return str(directory)
 
 
-def direct_ingress_port(body: bytes) -> int:
-    """The replica's own HTTP port: the first in Serve's direct-ingress range that answers."""
-    for port in range(30000, 30100):
-        try:
-            conn = http.client.HTTPConnection(HOST, port, timeout=1)
-            if post(conn, body) == 200:
-                return port
-        except OSError:
-            continue
-    raise RuntimeError("no direct-ingress replica answers on 127.0.0.1:30000-30099")
+def write_inputs(directory: Path) -> Path:
+    from sklearn.datasets import load_digits
 
-
-def measure_relay(
-    storage: Path, body: bytes, seconds: float, direct_ingress: bool
-) -> dict[str, dict[int, dict[str, Any]]]:
-    from ray import serve
-
-    from relay import cluster
-    from serve.app import AppArgs, app
-
-    os.environ["RAY_ADDRESS"] = "local"  # a cluster of our own, gone when we are
-    cluster.connect(num_cpus=2, direct_ingress=direct_ingress)
-    port = free_port()
-    serve.start(http_options={"host": HOST, "port": port})
-    results = {}
-    try:
-        for label, batch in (("relay batched", 32), ("relay unbatched", 1)):
-            args = AppArgs(model=f"{MODEL}:1", storage=str(storage), max_batch_size=batch)
-            serve.run(app(args), name="relay", route_prefix="/")
-            results[label] = measure(label, port, body, seconds)
-            if direct_ingress:
-                direct = direct_ingress_port(body)
-                results[f"{label} (replica port)"] = measure(
-                    f"{label} :{direct}", direct, body, seconds
-                )
-            serve.delete("relay")
-    finally:
-        serve.shutdown()
-    return results
-
-
-def measure_plain(checkpoint_dir: str, body: bytes, seconds: float) -> dict[int, dict[str, Any]]:
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, __file__, "--plain", checkpoint_dir, "--port", str(port)],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    try:
-        return measure("plain FastAPI", port, body, seconds)
-    finally:
-        server.terminate()  # by PID: only the process this function started
-        server.wait(timeout=30)
+    body = directory / "body.json"
+    body.write_text(json.dumps({"instances": [load_digits().data[0].tolist()]}))
+    os.environ["RELAY_BENCH_BODY"] = str(body)
+    script = directory / "post.lua"
+    script.write_text(WRK_SCRIPT)
+    return script
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -268,28 +324,44 @@ def main(argv: list[str] | None = None) -> None:
     if args.plain:
         run_plain_server(args.plain, args.port)
         return
-    sys.path.insert(0, str(REPO))  # serve.app, as `serve run` finds it from the repo root
-    body = request_body()
+    if shutil.which("wrk") is None:
+        sys.exit("bench/serve_load.py needs wrk: apt-get install wrk")
     with tempfile.TemporaryDirectory(prefix="relay-serve-bench-") as tmp:
-        storage = Path(tmp)
-        checkpoint_dir = make_checkpoint(storage, args.size, args.hidden)
-        plain = measure_plain(checkpoint_dir, body, args.seconds)
-        relay = measure_relay(storage, body, args.seconds, args.direct_ingress)
-    batched = relay["relay batched"][32]
+        script = write_inputs(Path(tmp))
+        tiny_storage, heavy_storage = Path(tmp, "tiny"), Path(tmp, "heavy")
+        tiny_checkpoint = make_checkpoint(tiny_storage)
+        heavy_checkpoint = make_checkpoint(heavy_storage, HEAVY_HIDDEN)
+        tiny = heavy = None
+        if args.only in (None, "tiny"):
+            sides = ["plain", "haproxy", "proxy", "haproxy serve.batch"]
+            tiny = compare("tiny", sides, tiny_storage, tiny_checkpoint, TINY_LEVELS, args, script)
+        if args.only in (None, "heavy"):
+            sides = ["plain", "haproxy", "haproxy serve.batch"]
+            heavy = compare(
+                "heavy", sides, heavy_storage, heavy_checkpoint, HEAVY_LEVELS, args, script
+            )
+    if args.only:
+        print(json.dumps({"levels": {"tiny": tiny, "heavy": heavy}}))
+        return
+    plain, haproxy, proxy = tiny["plain"], tiny["haproxy"], tiny["proxy"]
     summary = {
-        "throughput_ratio_c32": round(batched["rps"] / plain[32]["rps"], 3),
-        "p99_ratio_c32": round(batched["p99_ms"] / plain[32]["p99_ms"], 3),
-    }
-    if args.direct_ingress:  # the same figures on the replica's own port, for comparison
-        direct = relay["relay batched (replica port)"][32]
-        summary["throughput_ratio_c32_replica_port"] = round(direct["rps"] / plain[32]["rps"], 3)
-        summary["p99_ratio_c32_replica_port"] = round(direct["p99_ms"] / plain[32]["p99_ms"], 3)
-    summary |= {
-        "levels": {"plain": plain, **relay},
+        "throughput_ratio_c32": round(haproxy[32]["rps"] / plain[32]["rps"], 3),
+        "p99_ratio_c32": round(haproxy[32]["p99_ms"] / plain[32]["p99_ms"], 3),
+        "p50_gap_ms_c1": round(haproxy[1]["p50_ms"] - plain[1]["p50_ms"], 2),
+        "proxy_ratio_c32": round(proxy[32]["rps"] / plain[32]["rps"], 3),
+        "batched_throughput_ratio_c32": round(
+            heavy["haproxy"][32]["rps"] / heavy["plain"][32]["rps"], 3
+        ),
+        # The same with Ray Serve's own batcher instead of relay's adaptive one.
+        "serve_batch_throughput_ratio_c32": round(
+            heavy["haproxy serve.batch"][32]["rps"] / heavy["plain"][32]["rps"], 3
+        ),
+        "levels": {"tiny": tiny, "heavy": heavy},
         "setup": {
-            "model": f"{MODEL} ({args.size}, hidden {args.hidden or 'preset'})",
+            "models": {"tiny": f"{MODEL} default size", "heavy": f"{MODEL} hidden {HEAVY_HIDDEN}"},
             "seconds_per_level": args.seconds,
-            "direct_ingress": args.direct_ingress,
+            "repeats": args.repeats,
+            "client": "wrk -t1, closed loop",
             "cpus": os.cpu_count(),
         },
     }

@@ -21,7 +21,6 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # serve/app.py lives in the repository, beside jobs/
 
 
 def free_port() -> int:
@@ -52,8 +51,8 @@ def main() -> int:
     import relay
     from relay import cluster, sweep
     from relay.config import load_sweep
+    from relay.serving.app import AppArgs, build, resolve
     from relay.tasks import build_task
-    from serve.app import AppArgs, build, resolve
 
     quick = ["size=debug", "epochs=3"] if args.quick else []
     cluster.connect()

@@ -188,9 +188,16 @@ CHROMIUM_FLAGS = (
 )  # fmt: skip
 
 
-def render_page(page: Path, directory: Path) -> tuple[Path, str, list[str]]:
-    """Open `page` in a real headless Chromium (.ci/run installs Debian's): a screenshot, the
-    DOM after load, and the lines Chromium logged from the page's console."""
+def render_page(
+    page: Path | str, directory: Path, offline: bool = False
+) -> tuple[Path, str, list[str]]:
+    """Open `page` (a file, or a URL) in a real headless Chromium (.ci/run installs Debian's):
+    a screenshot, the DOM after load, and the lines Chromium logged from the page's console.
+
+    `offline`: no host name resolves, so nothing outside this machine can be fetched (a page
+    that needs a CDN stays blank), and the page's scripts get time to run before the DOM dump.
+    A URL must then name its host by address (127.0.0.1).
+    """
     import shutil
 
     import pytest
@@ -199,16 +206,21 @@ def render_page(page: Path, directory: Path) -> tuple[Path, str, list[str]]:
     if chromium is None:
         pytest.skip("NO BROWSER: Debian's chromium is not installed (.ci/run installs it)")
     profile = directory / "chromium-profile"
-    screenshot = directory / f"{page.stem}.png"
+    url = page.as_uri() if isinstance(page, Path) else page
+    name = page.stem if isinstance(page, Path) else "page"
+    screenshot = directory / f"{name}.png"
     common = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}"]
+    if offline:
+        # Every host name fails to resolve; the loopback address the test's server is on
+        # stays reachable.
+        rules = "MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"
+        common += [f"--host-resolver-rules={rules}", "--virtual-time-budget=15000"]
     shot = subprocess.run(
-        [*common, f"--screenshot={screenshot}", "--window-size=1100,2400", page.as_uri()],
+        [*common, f"--screenshot={screenshot}", "--window-size=1100,2400", url],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert screenshot.exists(), shot.stderr
-    dom = subprocess.run(
-        [*common, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120
-    )
+    dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=120)
     console = [line for line in shot.stderr.splitlines() if "CONSOLE" in line]
     return screenshot, dom.stdout, console
 

@@ -1,4 +1,5 @@
-"""Serving over real HTTP: serve/app.py on the session's Ray cluster, called with `requests`.
+"""Serving over real HTTP: relay/serving/app.py on the session's Ray cluster, called with
+`requests`.
 
 Checkpoints are made in-process (a few optimizer steps on the real data, no Ray Train run) and
 registered, so `digits:best` resolves as it would after `relay train`. One digits application
@@ -9,7 +10,9 @@ tests train on the same cluster and need its CPUs.
 
 from __future__ import annotations
 
+import importlib
 import math
+import re
 import shutil
 import socket
 import sys
@@ -21,7 +24,7 @@ import pytest
 import requests
 import torch
 import yaml
-from support import REPO, cli_in_fresh_interpreter, free_port, subprocess_env
+from support import REPO, cli_in_fresh_interpreter, free_port, render_page, subprocess_env
 
 from relay import checkpoint, config, registry
 from relay.tasks import Task, TaskSize, build_task
@@ -92,7 +95,7 @@ def storage(tmp_path_factory) -> Path:
 def base_url(ray_cluster, storage):
     from ray import serve
 
-    from serve.app import AppArgs, app
+    from relay.serving.app import AppArgs, app
 
     port = free_port()
     try:
@@ -194,6 +197,17 @@ def test_metadata_health_and_docs(base_url):
     assert missing.status_code == 404 and "nope" in missing.json()["error"]
 
 
+def test_docs_page_shows_the_api_without_internet_access(base_url, tmp_path):
+    """/docs in a real headless Chromium that cannot resolve any host name: the page and its
+    scripts come from the server itself, and Swagger UI renders the operations."""
+    page = requests.get(f"{base_url}/docs", timeout=TIMEOUT).text
+    assert not re.search(r"(src|href)=[\"']https?://", page), page  # nothing from elsewhere
+    _, dom, console = render_page(f"{base_url}/docs", tmp_path, offline=True)
+    operations = re.findall(r'class="opblock-summary-path"[^>]*data-path="([^"]+)"', dom)
+    assert "/v1/models/{name}:predict" in operations, (operations, console, dom[:2000])
+    assert "/v1/models/{name}" in operations
+
+
 # --- bad input: a 4xx JSON naming the problem, and the next request is served ------------------
 
 VALID = [float(i % 17) for i in range(64)]
@@ -276,7 +290,7 @@ def test_unknown_model_name_is_404(base_url, storage):
 def deploy(ray_cluster, storage: Path, prefix: str, **app_args) -> None:
     from ray import serve
 
-    from serve.app import AppArgs, app
+    from relay.serving.app import AppArgs, app
 
     args = AppArgs(**{"num_cpus": 0.5, **app_args, "storage": str(storage)})
     serve.run(app(args), name=prefix.strip("/"), route_prefix=prefix)
@@ -332,7 +346,8 @@ def test_deploy_config_is_valid_and_its_application_serves(ray_cluster, base_url
     cluster for a real `serve deploy` would double this file's run time."""
     from ray.serve.schema import ServeDeploySchema
 
-    from serve.app import AppArgs
+    from relay.serving.app import AppArgs
+    from relay.serving.app import app as relay_app
 
     schema = ServeDeploySchema.model_validate(
         yaml.safe_load((REPO / "serve/config.yaml").read_text())
@@ -340,6 +355,9 @@ def test_deploy_config_is_valid_and_its_application_serves(ray_cluster, base_url
     assert (schema.http_options.host, schema.http_options.port) == ("127.0.0.1", 8000)
     (application,) = schema.applications
     assert application.import_path == "serve.app:app"
+    # The thin entry Serve imports from the repository root is relay's own builder.
+    module, _, attribute = application.import_path.partition(":")
+    assert getattr(importlib.import_module(module), attribute) is relay_app
     args = AppArgs.model_validate(application.args)
     assert args.model == "digits:best"
     # Only where the model is looked up, and the CPUs, differ from the file.
@@ -371,7 +389,7 @@ class NoSchemaTask(Task):
 
 
 def test_a_task_without_schemas_cannot_be_served(tmp_path):
-    from serve.app import AppArgs, resolve
+    from relay.serving.app import AppArgs, resolve
 
     make_version(tmp_path, "test_serve:NoSchemaTask", steps=0, model_name="plain")
     with pytest.raises(TypeError, match="cannot be served"):
@@ -399,8 +417,8 @@ def test_refusals_come_before_any_ray_work(tmp_path):
             "bad_flag": ["serve", "digits:best", *at, "--max-batch-size", "0"],
             "port_taken": ["serve", "digits:best", *at, "--port", str(busy.getsockname()[1])],
         }
-        # serve/app.py imports Ray Serve, so Ray may be imported, but no cluster may have been
-        # started when a refusal comes.
+        # relay/serving/app.py imports Ray Serve, so Ray may be imported, but no cluster may have
+        # been started when a refusal comes.
         results = cli_in_fresh_interpreter(
             cases,
             cwd=REPO / "tests",  # where `test_serve:NoSchemaTask` imports from

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import requests
-from support import REPO, free_port, mlflow_client, pixels_of, render_page, tensorboard_scalars
+from support import free_port, mlflow_client, pixels_of, render_page, tensorboard_scalars
 
 import relay
 from relay import checkpoint, history, registry, sweep
@@ -26,8 +25,6 @@ from relay.tasks import build_task
 
 pytestmark = pytest.mark.timeout(480)
 
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # serve.app, as `serve run` imports it from the repo root
 
 EPOCHS = 4
 
@@ -216,7 +213,7 @@ def test_efficiency_reports_match_independent_counts(strategy_sweep):
 def test_fsdp_trained_model_serves_like_the_offline_model(strategy_sweep, relay_home):
     from ray import serve
 
-    from serve.app import AppArgs, app
+    from relay.serving.app import AppArgs, app
 
     _, runs = strategy_sweep
     directory = runs["fsdp"]["checkpoint"]

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from relay import config as config_mod
-from relay import serving
+from relay.serving import command as serving
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 

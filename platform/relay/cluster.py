@@ -214,6 +214,16 @@ def _settled(job) -> bool:
     return not any(actor["ActorClassName"] == "TrainController" for actor in alive)
 
 
+def alive_actors(class_name: str) -> int:
+    """How many actors of class `class_name` are alive on the connected cluster. Asked of the
+    GCS (Ray's public state API goes through the dashboard, which may be off or still
+    starting)."""
+    from ray._private.state import state
+
+    alive = state.actor_table(None, actor_state_name="ALIVE").values()
+    return sum(actor["ActorClassName"] == class_name for actor in alive)
+
+
 def _dead(actor_id: bytes) -> bool:
     from ray._private.state import state
 

@@ -1,9 +1,10 @@
-"""`relay serve REF`: serve one model over HTTP from this machine's Ray cluster (Ray Serve).
+"""`relay serve REF`: serve one model over HTTP from a Ray cluster (Ray Serve).
 
 Thin, like the rest of the CLI: check the arguments and resolve the model before Ray starts (a
-bad reference exits 2 in a second, not after a cluster start), then run serve/app.py's
-application with Serve bound to --host:--port (loopback unless asked), print how to call it,
-and wait for Ctrl-C (or SIGTERM) to take it down again.
+bad reference exits 2 in a second, not after a cluster start), then run relay/serving/app.py's
+application with Serve bound to --host:--port (loopback unless asked) behind the chosen ingress
+(relay/serving/ingress.py), wait until the endpoint answers, print how to call it, and wait for
+Ctrl-C (or SIGTERM) to take it down again.
 """
 
 from __future__ import annotations
@@ -15,23 +16,26 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+from relay.serving import ingress
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 
-# serve/app.py lives in the repository (next to platform/), not in the relay package.
-REPO = Path(__file__).resolve().parents[2]
-
-# CLI flag → AppArgs field (serve/app.py): type and help. Unset flags keep AppArgs' defaults,
-# so they live in one place; the help is written out here because building the parser must
-# not import Ray (every relay command builds it).
+# CLI flag → AppArgs field (relay/serving/app.py): type and help. Unset flags keep AppArgs'
+# defaults, so they live in one place; the help is written out here because building the
+# parser must not import Ray (every relay command builds it).
 APP_FLAGS: dict[str, tuple[type, str]] = {
     "replicas": (int, "replicas (default: 1; the minimum when autoscaling)"),
     "max_replicas": (int, "autoscale between --replicas and this many (default: fixed)"),
     "num_cpus": (float, "CPUs each replica reserves (default: 0.5)"),
     "max_batch_size": (int, "instances per forward pass; 1 turns batching off (default: 32)"),
-    "batch_wait_timeout_s": (float, "how long a batch waits to fill (default: 0.005)"),
+    "batching": (
+        str,
+        "adaptive (default): a request alone never waits for a batch to fill, overlapping "
+        "ones do; serve: Ray Serve's @serve.batch, every batch waits",
+    ),
+    "batch_wait_timeout_s": (float, "how long a forward may wait for its batch (default: 0.005)"),
     "max_instances": (int, "instances one request may carry (default: 256)"),
     "max_body_bytes": (int, "largest request body in bytes (default: 1 MiB)"),
     "name": (str, "model name in URLs (default: the registry name, e.g. digits)"),
@@ -60,6 +64,18 @@ def add_parser(subparsers) -> None:
         "interface)",
     )
     parser.add_argument("--port", type=_port, default=8000, help="HTTP port (default: 8000)")
+    parser.add_argument(
+        "--ingress",
+        choices=ingress.INGRESSES,
+        help="what carries requests to the replicas on a cluster relay starts: haproxy "
+        "(default; straight to the replicas) or proxy (Serve's Python proxy). A running "
+        "cluster (--address) keeps the one it was started with",
+    )
+    parser.add_argument(
+        "--address",
+        help="a running Ray cluster to serve from (default: $RAY_ADDRESS, else a cluster "
+        "started here that stops with relay serve)",
+    )
     for field, (kind, text) in APP_FLAGS.items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=kind, help=text)
     parser.add_argument("--verbose", action="store_true", help="show Ray's own logs")
@@ -68,21 +84,6 @@ def add_parser(subparsers) -> None:
 def _fail(message: str, code: int) -> int:
     print(f"relay: {message}", file=sys.stderr)
     return code
-
-
-def _import_app():
-    """serve.app, importable from the repository root wherever relay is run from — here and,
-    through PYTHONPATH (cluster.py passes it on), in the replicas of an embedded cluster."""
-    if not (REPO / "serve" / "app.py").is_file():
-        raise ImportError(f"serve/app.py not found under {REPO} (relay needs its repository)")
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if str(REPO) not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, paths)])
-    import serve.app
-
-    return serve.app
 
 
 def _port_taken(host: str, port: int) -> str | None:
@@ -120,10 +121,8 @@ def _stop_on_signals() -> dict[int, Any]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    try:
-        app_module = _import_app()
-    except ImportError as exc:
-        return _fail(str(exc), EXIT_USAGE)
+    from relay.serving import app as app_module
+
     options = {f: getattr(args, f) for f in APP_FLAGS if getattr(args, f) is not None}
     try:
         app_args = app_module.AppArgs(model=args.ref, **options)
@@ -136,25 +135,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (KeyError, TypeError, ValueError, OSError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) else str(exc)
         return _fail(f"cannot serve {args.ref!r}: {message}", EXIT_USAGE)
-    if reason := _port_taken(args.host, args.port):
+    if args.address:
+        os.environ["RAY_ADDRESS"] = args.address
+    import ray
+
+    # Our own embedded cluster goes away with us; on a shared one we only remove our app.
+    own_cluster = not ray.is_initialized() and os.environ.get("RAY_ADDRESS", "local") == "local"
+    if own_cluster and (reason := _port_taken(args.host, args.port)):
         return _fail(f"cannot listen on {args.host}:{args.port}: {reason}", EXIT_USAGE)
 
-    import ray
     from ray import serve
 
     from relay import cluster
     from relay.tasks import resolve_task_class
 
-    # Our own embedded cluster goes away with us; on a shared one we only remove our app.
-    own_cluster = not ray.is_initialized() and os.environ.get("RAY_ADDRESS", "local") == "local"
-    cluster.connect(verbose=args.verbose)
+    setup = None
+    if own_cluster:  # read by the cluster's processes as they start
+        setup = ingress.serve_environment(args.ingress or ingress.HAPROXY)
+        setup.apply()
     app_name = f"relay-{info.name}"
-    previous_handlers = _stop_on_signals()
+    previous_handlers: dict[int, Any] = {}
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        cluster.connect(verbose=args.verbose)
+        # After ray.init, which installs a SIGTERM handler of its own (it exits at once).
+        previous_handlers = _stop_on_signals()
+        serve.start(
+            http_options={"host": args.host, "port": args.port},
+            logging_config={"enable_access_log": app_args.access_log},
+        )
         serve.run(app_module.build(info, app_args), name=app_name, route_prefix="/")
         base = f"http://{args.host}:{args.port}"
+        ingress.wait_until_answering(f"{base}/v1/models/{info.name}")
+        running = ingress.running_ingress()
         print(f"serving {info.reference} (task {info.task}) at {base}/v1/models/{info.name}")
+        print(f"ingress: {running} ({ingress.DESCRIPTIONS[running]})")
+        if args.ingress and args.ingress != running:
+            print(
+                f"relay: --ingress {args.ingress} ignored: the cluster at "
+                f"{os.environ['RAY_ADDRESS']} runs {running} (chosen when it started)",
+                file=sys.stderr,
+            )
         print(f"API docs: {base}/docs   stop: Ctrl-C")
         print(_example_curl(base, info.name, resolve_task_class(info.task).Instance), flush=True)
         while True:
@@ -166,6 +186,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _fail(f"serving failed: {exc}", EXIT_FAILED)
     finally:
         _take_down(app_name, own_cluster)
+        if setup is not None:
+            setup.remove()
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
 

@@ -1,0 +1,93 @@
+"""HTTP parts of the serving app that know nothing of models: relay's JSON error shape, the
+request-body limit, and OpenAPI documentation for routes that parse their own bodies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+
+def error(status: int, message: str, detail: list[dict[str, Any]] | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"error": message}
+    if detail is not None:
+        body["detail"] = detail
+    return JSONResponse(body, status_code=status)
+
+
+def error_detail(exc: ValidationError, prefix: tuple = ()) -> list[dict[str, Any]]:
+    """pydantic errors as JSON-safe dicts with a dotted path; the offending input is left out
+    (it can be a megabyte of pixels)."""
+    return [
+        {
+            "loc": ".".join(str(part) for part in (*prefix, *item["loc"])),
+            "msg": item["msg"],
+            "type": item["type"],
+        }
+        for item in exc.errors(include_url=False)
+    ]
+
+
+class BodyLimit:
+    """Pure ASGI middleware: read the whole request body before anything parses it, answering
+    413 as soon as it exceeds `max_bytes` — by Content-Length when there is one, else by
+    counting chunks as they arrive (chunked transfer has no length to check up front)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await error(400, "invalid Content-Length")(scope, receive, send)
+            if int(length) > self.max_bytes:
+                return await self.too_large(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self.too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def too_large(self, scope, receive, send) -> None:
+        await error(413, f"request body exceeds {self.max_bytes} bytes")(scope, receive, send)
+
+
+def document(api: FastAPI, *models: type[BaseModel]) -> None:
+    """Put `models` (and the models they nest) into the OpenAPI components, so the predict
+    route can point at its request schema although it parses the body itself."""
+
+    def openapi() -> dict[str, Any]:
+        if api.openapi_schema is None:
+            schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(spec.pop("$defs", {}))
+                components[model.__name__] = spec
+            api.openapi_schema = schema
+        return api.openapi_schema
+
+    api.openapi = openapi
+
+
+def schema_ref(model: type[BaseModel]) -> dict[str, Any]:
+    ref = f"#/components/schemas/{model.__name__}"
+    return {"content": {"application/json": {"schema": {"$ref": ref}}}}
