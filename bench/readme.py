@@ -167,8 +167,11 @@ def serve_load_block(results: dict[str, dict[str, Any]]) -> str:
         "| model | server | " + " | ".join(f"c={c}" for c in levels) + " |",
         "|---|---|" + "---|" * len(levels),
     ]
-    for model, sides in f["levels"].items():
-        for side, figures in sides.items():
+    order = ("plain", "haproxy", "haproxy serve.batch", "proxy")
+    for model in ("tiny", "heavy"):
+        sides = f["levels"][model]
+        for side in sorted(sides, key=lambda name: order.index(name) if name in order else 9):
+            figures = sides[side]
             cells = []
             for c in levels:
                 x = figures.get(str(c))
