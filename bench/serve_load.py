@@ -153,15 +153,18 @@ class Server:
             raise TimeoutError(f"{argv} not ready after {READY_TIMEOUT_S} s")
 
     def stop(self) -> None:
-        for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            members = session_members(self.process.pid)
-            for pid in members:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-            deadline = time.monotonic() + grace
+        """SIGTERM to the server, as a user would (relay serve then takes its cluster down and
+        removes its files); whatever of its session is left after 20 s gets SIGTERM, then
+        SIGKILL."""
+        self.process.send_signal(signal.SIGTERM)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            deadline = time.monotonic() + 20
             while session_members(self.process.pid) and time.monotonic() < deadline:
                 self.process.poll()
                 time.sleep(0.2)
+            for pid in session_members(self.process.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
         self.process.wait(timeout=30)
 
 

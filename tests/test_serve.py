@@ -256,8 +256,8 @@ BAD_REQUESTS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
-def test_bad_request_gets_a_4xx_json_and_the_server_carries_on(base_url, storage, case):
+def check_bad_request(base_url: str, storage: Path, case: str) -> None:
+    """BAD_REQUESTS[case] gets its 4xx JSON, and the next valid request is served."""
     body, status, loc, words = BAD_REQUESTS[case]
     response = predict(base_url, body)
     assert response.status_code == status, response.text
@@ -268,6 +268,11 @@ def test_bad_request_gets_a_4xx_json_and_the_server_carries_on(base_url, storage
     assert_still_serving(base_url, storage)
 
 
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_request_gets_a_4xx_json_and_the_server_carries_on(base_url, storage, case):
+    check_bad_request(base_url, storage, case)
+
+
 def test_chunked_body_over_the_limit_is_refused_while_it_streams(base_url, storage):
     def chunks():  # no Content-Length: requests sends Transfer-Encoding: chunked
         for _ in range(4 * MAX_BODY_BYTES // 1024):
@@ -275,6 +280,47 @@ def test_chunked_body_over_the_limit_is_refused_while_it_streams(base_url, stora
 
     response = predict(base_url, chunks())
     assert response.status_code == 413 and "exceeds" in response.json()["error"]
+    assert_still_serving(base_url, storage)
+
+
+HUGE_BODIES = {  # name: (bytes, chunked)
+    "25 MB with Content-Length": (25_000_000, False),
+    "200 MB with Content-Length": (200_000_000, False),
+    "25 MB chunked": (25_000_000, True),
+}
+
+
+def post_raw(base_url: str, size: int, chunked: bool) -> bytes:
+    """POST `size` bytes to predict as a plain blocking client does — the whole body first,
+    then the answer — and return the status line and headers it gets ("" on a reset)."""
+    host, port = base_url.removeprefix("http://").split("/")[0].split(":")
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}"
+    head = (
+        f"POST /v1/models/digits:predict HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/json\r\n{framing}\r\n\r\n"
+    )
+    block = b"0" * (1 << 20)
+    with socket.create_connection((host, int(port)), timeout=120) as sock:
+        try:
+            sock.sendall(head.encode())
+            for offset in range(0, size, len(block)):
+                piece = block[: min(len(block), size - offset)]
+                sock.sendall(b"%x\r\n%b\r\n" % (len(piece), piece) if chunked else piece)
+            if chunked:
+                sock.sendall(b"0\r\n\r\n")
+            answer = b""
+            while b"\r\n\r\n" not in answer and (data := sock.recv(65536)):
+                answer += data
+        except (ConnectionResetError, BrokenPipeError):
+            return b""
+    return answer
+
+
+@pytest.mark.parametrize("case", sorted(HUGE_BODIES))
+def test_a_huge_body_gets_its_413_not_a_reset(base_url, storage, case):
+    size, chunked = HUGE_BODIES[case]
+    answer = post_raw(base_url, size, chunked)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
     assert_still_serving(base_url, storage)
 
 

@@ -1,5 +1,5 @@
 """`python -m relay.serving.haproxy_launch REAL_HAPROXY ARGS...`: start Ray Serve's HAProxy
-with its admin listeners on loopback.
+with its admin listeners on loopback and relay's JSON error bodies.
 
 Ray 2.60 renders HAProxy's config from a fixed template (ray/serve/_private/
 haproxy_templates.py) whose `frontend prometheus` (`bind :PORT`) and `listen stats`
@@ -10,10 +10,16 @@ it): the two bind lines are rewritten to 127.0.0.1 in CONFIG, then the real bina
 this process with the very same arguments — Serve finds its HAProxy processes by the `-f` path
 and signals them by PID, both unchanged. The user-facing `frontend http_frontend` keeps the
 address Serve gave it (`relay serve --host`).
+
+The same rewrite points the config's `errorfile 502/503/504` lines (Serve's text/plain "Internal
+Server Error") at files written here, next to CONFIG, in relay's error shape `{"error": ...}`:
+what a client gets when no replica can take its request (all down, one restarting, a timeout)
+is JSON like every other error of the API.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -37,6 +43,33 @@ def loopback_admin_binds(text: str) -> str:
     return "".join(lines)
 
 
+ERRORFILE = re.compile(r"^(\s*errorfile\s+)(502|503|504)\s+\S+", re.M)
+GATEWAY_ERRORS = {
+    502: ("Bad Gateway", "bad gateway: the replica failed to answer"),
+    503: ("Service Unavailable", "service unavailable: no replica is ready; retry shortly"),
+    504: ("Gateway Timeout", "gateway timeout: the replica did not answer in time"),
+}
+
+
+def write_error_files(directory: str) -> dict[int, str]:
+    """A raw HTTP response per gateway error, as HAProxy's `errorfile` wants it."""
+    paths = {}
+    for code, (reason, message) in GATEWAY_ERRORS.items():
+        body = json.dumps({"error": message}).encode()
+        head = (
+            f"HTTP/1.1 {code} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nCache-Control: no-cache\r\nConnection: close\r\n\r\n"
+        )
+        paths[code] = os.path.join(directory, f"relay-{code}.http")
+        with open(paths[code], "wb") as file:
+            file.write(head.encode() + body)
+    return paths
+
+
+def json_error_files(text: str, paths: dict[int, str]) -> str:
+    return ERRORFILE.sub(lambda m: f"{m.group(1)}{m.group(2)} {paths[int(m.group(2))]}", text)
+
+
 def config_path(args: list[str]) -> str | None:
     for flag, value in pairwise(args):
         if flag == "-f":
@@ -49,7 +82,8 @@ def main(argv: list[str]) -> None:
     if (path := config_path(args)) is not None and os.path.isfile(path):
         with open(path) as file:
             original = file.read()
-        rewritten = loopback_admin_binds(original)
+        errors = write_error_files(os.path.dirname(path))
+        rewritten = json_error_files(loopback_admin_binds(original), errors)
         if rewritten != original:
             # Next to the original, then renamed over it: HAProxy never reads half a file.
             with open(path + ".relay", "w") as file:

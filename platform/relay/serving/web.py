@@ -31,10 +31,23 @@ def error_detail(exc: ValidationError, prefix: tuple = ()) -> list[dict[str, Any
     ]
 
 
+# How much of a body over the limit is read (and dropped) before the 413 goes out; see
+# BodyLimit.too_large. Loopback reads this much in well under a second.
+DRAIN_LIMIT_BYTES = 256 * 1024 * 1024
+
+
 class BodyLimit:
     """Pure ASGI middleware: read the whole request body before anything parses it, answering
-    413 as soon as it exceeds `max_bytes` — by Content-Length when there is one, else by
-    counting chunks as they arrive (chunked transfer has no length to check up front)."""
+    413 once it exceeds `max_bytes` — by Content-Length when there is one, else by counting
+    chunks as they arrive (chunked transfer has no length to check up front).
+
+    The 413 must reach the client. Most clients (requests, curl without `Expect`) read the
+    answer only after sending their whole body, and a server that answers and closes while
+    the body is still coming makes the client's kernel see a reset instead (a 25 MB body did).
+    So the rest of an oversized body is read and dropped first — never kept, at most
+    DRAIN_LIMIT_BYTES of it; beyond that the connection is cut. A client that sent
+    `Expect: 100-continue` has not sent its body yet: it gets the 413 at once, and sends none.
+    """
 
     def __init__(self, app, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -42,12 +55,16 @@ class BodyLimit:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
         if length is not None:
             if not length.isdigit():
                 return await error(400, "invalid Content-Length")(scope, receive, send)
             if int(length) > self.max_bytes:
-                return await self.too_large(scope, receive, send)
+                # Not sent yet (`Expect: 100-continue`), or more than is worth reading.
+                waiting = headers.get(b"expect", b"").lower() == b"100-continue"
+                drain = not waiting and int(length) <= DRAIN_LIMIT_BYTES
+                return await self.too_large(scope, receive, send, drain=drain)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -55,9 +72,10 @@ class BodyLimit:
                 return None
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
+            more = message.get("more_body", False)
             if size > self.max_bytes:
-                return await self.too_large(scope, receive, send)
-            if not message.get("more_body", False):
+                return await self.too_large(scope, receive, send, drain=more, read=size)
+            if not more:
                 break
         pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
@@ -66,7 +84,13 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def too_large(self, scope, receive, send) -> None:
+    async def too_large(self, scope, receive, send, drain: bool, read: int = 0) -> None:
+        while drain and read <= DRAIN_LIMIT_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None  # the client went away: nobody to answer
+            read += len(message.get("body", b""))
+            drain = message.get("more_body", False)
         await error(413, f"request body exceeds {self.max_bytes} bytes")(scope, receive, send)
 
 
