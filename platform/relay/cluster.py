@@ -148,19 +148,12 @@ def _local_runtime_env() -> dict:
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}}
 
 
-def connect(
-    *, verbose: bool = False, num_cpus: int | None = None, direct_ingress: bool = False
-) -> None:
+def connect(*, verbose: bool = False, num_cpus: int | None = None) -> None:
     """Join or start a cluster; quiet unless `verbose` (worker logs stay in Ray's log files).
-
-    `direct_ingress`: Serve's ingress replicas also serve HTTP themselves, on ports 30000+
-    (serve/app.py says when that pays). Serve reads the flag from its processes' environment,
-    which they inherit from the cluster, so it only takes effect on a cluster started here.
-    """
+    Serve's settings for a cluster started here are relay/serving/ingress.py's business (set in
+    the environment before this call)."""
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", REPORT_POLL_INTERVAL_S)
     switches = _apply_run_switches()
-    if direct_ingress:
-        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     if ray.is_initialized():
         return
     options: dict = {

@@ -5,9 +5,9 @@ and the metrics — so the train loop, Tune and Serve stay generic. Subclass `Ta
 pydantic `Size` model with named presets (one of them "debug", tiny, for tests and smoke runs),
 and point a config's `task:` at it as "package.module:Class".
 
-To be served (serve/app.py), a task also declares what one request instance and one prediction
-look like — pydantic models `Instance` and `Prediction` — and implements `predict`, which runs
-the whole list of instances of a (server-side) batch through the model at once.
+To be served (relay/serving/app.py), a task also declares what one request instance and one
+prediction look like — pydantic models `Instance` and `Prediction` — and implements `predict`,
+which runs the whole list of instances of a (server-side) batch through the model at once.
 """
 
 from __future__ import annotations
