@@ -145,6 +145,7 @@ def test_predictions_match_the_model_run_offline(base_url, storage):
     body = {"instances": [*batch, {"pixels": batch[0]}, {"pixels": as_rows[1]}]}
     response = predict(base_url, body)
     assert response.status_code == 200, response.text
+    assert response.headers["x-model-version"] == "1"
     served = response.json()["predictions"]
     assert len(served) == 7 and all(len(p["probabilities"]) == 10 for p in served)
     assert_matches(served, offline_predictions(storage, "digits:best", body["instances"]))
@@ -184,7 +185,9 @@ def test_concurrent_requests_share_batches(base_url, storage):
 
 
 def test_metadata_health_and_docs(base_url):
-    meta = requests.get(f"{base_url}/v1/models/digits", timeout=TIMEOUT).json()
+    response = requests.get(f"{base_url}/v1/models/digits", timeout=TIMEOUT)
+    assert response.headers["x-model-version"] == "1"  # the version that answered
+    meta = response.json()
     assert meta["ready"] is True and meta["name"] == "digits" and meta["task"] == "digits"
     assert meta["version"] == 1 and meta["reference"] == "digits:1"
     assert requests.get(f"{base_url}/healthz", timeout=TIMEOUT).json() == {"status": "ok"}
@@ -261,6 +264,7 @@ def check_bad_request(base_url: str, storage: Path, case: str) -> None:
     body, status, loc, words = BAD_REQUESTS[case]
     response = predict(base_url, body)
     assert response.status_code == status, response.text
+    assert response.headers["x-model-version"] == "1"  # errors say who answered too
     payload = response.json()
     assert isinstance(payload["error"], str) and words in payload["error"]
     if loc is not None:

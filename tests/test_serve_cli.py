@@ -220,6 +220,7 @@ def test_a_huge_body_through_haproxy_gets_its_413(haproxy_server, storage, case)
     size, chunked = HUGE_BODIES[case]
     answer = post_raw(base, size, chunked)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert b"\r\nx-model-version: 1\r\n" in answer.lower(), answer[:300]
     assert_still_serving(base, storage)
 
 

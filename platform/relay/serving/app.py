@@ -12,6 +12,8 @@ Protocol (KServe / TF-Serving v1 REST):
     GET  /healthz                    {"status": "ok"}
     GET  /docs                       OpenAPI (Swagger UI, served offline), with the task's schema
 
+Every response carries `x-model-version`: the version that answered.
+
 `{name}` is the registry model name ("digits" for `digits:best`). What one instance and one
 prediction look like is the task's business (`Task.Instance` / `Task.Prediction`, e.g. digits:
 64 pixels 0–16 → {"label", "probabilities"}). Every bad request gets a 4xx JSON body
@@ -44,9 +46,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relay.config import NAME_PATTERN
 from relay.serving.batching import AdaptiveBatcher
-from relay.serving.web import BodyLimit, document, error, error_detail, schema_ref
+from relay.serving.web import (
+    BodyLimit,
+    ResponseHeaders,
+    document,
+    error,
+    error_detail,
+    schema_ref,
+)
 
 MIB = 1 << 20
+# On every response: the model version that answered (the registry's number, or the reference
+# when the model was served from a run id or a checkpoint directory).
+VERSION_HEADER = "x-model-version"
 
 
 class AppArgs(BaseModel):
@@ -229,6 +241,8 @@ def build_http_app(server: ModelServer) -> FastAPI:
         redoc_url=None,
     )
     api.add_middleware(BodyLimit, max_bytes=server.args.max_body_bytes)
+    # Added last, so outermost: the 413s of the body limit carry it too.
+    api.add_middleware(ResponseHeaders, headers={VERSION_HEADER: str(info.version)})
     # The request and response schemas, for /docs only (predict() checks the body itself).
     limits = Field(min_length=1, max_length=server.args.max_instances)
     request_model = create_model("PredictRequest", instances=(list[task.Instance], limits))

@@ -94,6 +94,26 @@ class BodyLimit:
         await error(413, f"request body exceeds {self.max_bytes} bytes")(scope, receive, send)
 
 
+class ResponseHeaders:
+    """Pure ASGI middleware: fixed headers on every response, errors included (e.g. which
+    model version answered, so a client can tell during a version swap)."""
+
+    def __init__(self, app, headers: dict[str, str]) -> None:
+        self.app = app
+        self.headers = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def with_headers(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *self.headers]}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
 def document(api: FastAPI, *models: type[BaseModel]) -> None:
     """Put `models` (and the models they nest) into the OpenAPI components, so the predict
     route can point at its request schema although it parses the body itself."""
