@@ -87,13 +87,11 @@ def let_trial_wait_for_workers() -> None:
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", TRIAL_WORKER_WAIT_S)
 
 
-def _apply_run_switches() -> dict[str, str]:
-    """Set each RUN_SWITCHES entry the environment lacks; returns those set here."""
-    applied = {}
-    for key, value in RUN_SWITCHES.items():
-        if key not in os.environ:
-            os.environ[key] = value
-            applied[key] = value
+def set_missing(env: dict[str, str]) -> dict[str, str]:
+    """Set each variable of `env` the environment lacks (a user's own value wins); returns
+    those set here."""
+    applied = {k: v for k, v in env.items() if k not in os.environ}
+    os.environ.update(applied)
     return applied
 
 
@@ -153,7 +151,7 @@ def connect(*, verbose: bool = False, num_cpus: int | None = None) -> None:
     Serve's settings for a cluster started here are relay/serving/ingress.py's business (set in
     the environment before this call)."""
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", REPORT_POLL_INTERVAL_S)
-    switches = _apply_run_switches()
+    switches = set_missing(RUN_SWITCHES)
     if ray.is_initialized():
         return
     options: dict = {

@@ -30,7 +30,6 @@ environment lacks it, so an operator's own value wins):
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import stat
@@ -87,9 +86,9 @@ class ServeSetup:
 
     def apply(self) -> dict[str, str]:
         """Set each variable the environment lacks; returns the ones set here."""
-        applied = {k: v for k, v in self.env.items() if k not in os.environ}
-        os.environ.update(applied)
-        return applied
+        from relay import cluster
+
+        return cluster.set_missing(self.env)
 
     def remove(self) -> None:
         if self.directory is not None:
