@@ -51,7 +51,7 @@ def main() -> int:
     import relay
     from relay import cluster, sweep
     from relay.config import load_sweep
-    from relay.serving.app import AppArgs, build, resolve
+    from relay.serving.app import AppArgs, build, resolve_models
     from relay.tasks import build_task
 
     quick = ["size=debug", "epochs=3"] if args.quick else []
@@ -69,9 +69,9 @@ def main() -> int:
     print("\n== 3. serve digits:best on 127.0.0.1")
     port = free_port()
     app_args = AppArgs(model="digits:best")  # same storage root as the runs: $RELAY_HOME, ~/relay
-    info = resolve(app_args)
+    (info,) = resolve_models(app_args)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build(info, app_args), name="relay-demo", route_prefix="/")
+    serve.run(build([info], app_args), name="relay-demo", route_prefix="/")
     base = f"http://127.0.0.1:{port}/v1/models/{info.name}"
     print(f"serving {info.reference} (train run {trained.model}, sweep best {tuned.model})")
 

@@ -5,6 +5,6 @@ running cluster). The application lives in the relay package (relay/serving/app.
 the protocol and `AppArgs`); `relay serve digits:best` runs the same one without this file.
 """
 
-from relay.serving.app import AppArgs, ModelInfo, app, build, resolve
+from relay.serving.app import AppArgs, app, build, resolve_models
 
-__all__ = ["AppArgs", "ModelInfo", "app", "build", "resolve"]
+__all__ = ["AppArgs", "app", "build", "resolve_models"]

@@ -18,6 +18,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,7 @@ def make_version(storage: Path, task_name: str, steps: int, model_name: str | No
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-    run_id = f"{task_name.replace(':', '-').replace('.', '-')}-serve-test"
+    run_id = f"{task_name.replace(':', '-').replace('.', '-')}-serve-test-{steps}"
     directory = storage / "runs" / run_id / "epoch_0000"
     meta = {"epoch": 1, "metrics": {}, "config": cfg.model_dump(mode="json")}
     checkpoint.save(directory, model.eval(), meta=meta)
@@ -88,6 +89,10 @@ def storage(tmp_path_factory) -> Path:
     make_version(root, "charlm", steps=5)
     make_version(root, "regression", steps=5)
     make_version(root, "hf-causal-lm", steps=5)
+    # Another digits model, for the swap test (as `digits` it would become digits:best); its
+    # version 2 has a version number of its own to tell in the answers.
+    make_version(root, "digits", steps=5, model_name="digits-next")
+    make_version(root, "digits", steps=6, model_name="digits-next")
     return root
 
 
@@ -194,7 +199,8 @@ def test_metadata_health_and_docs(base_url):
     docs = requests.get(f"{base_url}/docs", timeout=TIMEOUT)
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
     spec = requests.get(f"{base_url}/openapi.json", timeout=TIMEOUT).json()
-    assert "/v1/models/{name}:predict" in spec["paths"]
+    # Each served model's own predict path, with its task's schema.
+    assert {"/v1/models/digits:predict", "/v2/models/digits/infer"} <= set(spec["paths"])
     assert spec["components"]["schemas"]["DigitsInstance"]["properties"]["pixels"]
     missing = requests.get(f"{base_url}/v1/models/nope", timeout=TIMEOUT)
     assert missing.status_code == 404 and "nope" in missing.json()["error"]
@@ -207,8 +213,8 @@ def test_docs_page_shows_the_api_without_internet_access(base_url, tmp_path):
     assert not re.search(r"(src|href)=[\"']https?://", page), page  # nothing from elsewhere
     _, dom, console = render_page(f"{base_url}/docs", tmp_path, offline=True)
     operations = re.findall(r'class="opblock-summary-path"[^>]*data-path="([^"]+)"', dom)
-    assert "/v1/models/{name}:predict" in operations, (operations, console, dom[:2000])
-    assert "/v1/models/{name}" in operations
+    assert "/v1/models/digits:predict" in operations, (operations, console, dom[:2000])
+    assert {"/v1/models/{name}", "/v2/models/digits/infer"} <= set(operations)
 
 
 # --- bad input: a 4xx JSON naming the problem, and the next request is served ------------------
@@ -334,6 +340,128 @@ def test_unknown_model_name_is_404(base_url, storage):
     assert_still_serving(base_url, storage)
 
 
+# --- KServe v2 (Open Inference Protocol) beside v1 ---------------------------------------------
+
+
+def infer(base_url: str, body, name: str = "digits") -> requests.Response:
+    return requests.post(f"{base_url}/v2/models/{name}/infer", json=body, timeout=TIMEOUT)
+
+
+def pixels_tensor(batch: list[list[float]], datatype: str = "FP64") -> dict:
+    flat = [value for image in batch for value in image]
+    return {"name": "pixels", "shape": [len(batch), 64], "datatype": datatype, "data": flat}
+
+
+def test_v2_health_metadata_and_infer_match_v1(base_url, storage):
+    assert requests.get(f"{base_url}/v2/health/live", timeout=TIMEOUT).json() == {"live": True}
+    assert requests.get(f"{base_url}/v2/health/ready", timeout=TIMEOUT).json() == {"ready": True}
+    ready = requests.get(f"{base_url}/v2/models/digits/ready", timeout=TIMEOUT)
+    assert ready.json() == {"name": "digits", "ready": True}
+    meta = requests.get(f"{base_url}/v2/models/digits", timeout=TIMEOUT)
+    assert meta.headers["x-model-version"] == "1"
+    assert meta.json()["versions"] == ["1"]
+    assert meta.json()["inputs"] == [{"name": "pixels", "datatype": "FP64", "shape": [-1, 64]}]
+    assert {o["name"] for o in meta.json()["outputs"]} == {"label", "probabilities"}
+
+    batch = images(3, offset=20)
+    response = infer(base_url, {"id": "r-7", "inputs": [pixels_tensor(batch, "FP32")]})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert (body["model_name"], body["model_version"], body["id"]) == ("digits", "1", "r-7")
+    outputs = {tensor["name"]: tensor for tensor in body["outputs"]}
+    expected = offline_predictions(storage, "digits:best", batch)
+    assert outputs["label"]["shape"] == [3]
+    assert outputs["label"]["data"] == [p["label"] for p in expected]
+    assert outputs["probabilities"]["shape"] == [3, 10]
+    flat = [value for p in expected for value in p["probabilities"]]
+    assert outputs["probabilities"]["data"] == pytest.approx(flat, rel=1e-5, abs=1e-6)
+    only_label = {"inputs": [pixels_tensor(batch[:1])], "outputs": [{"name": "label"}]}
+    assert [t["name"] for t in infer(base_url, only_label).json()["outputs"]] == ["label"]
+
+
+V2_BAD = {
+    # name: (body, status, the first detail's loc)
+    "unknown input": ({"inputs": [{**pixels_tensor(images(1)), "name": "px"}]}, 422, "inputs.px"),
+    "shape against data": (
+        {"inputs": [{**pixels_tensor(images(1)), "shape": [2, 64]}]},
+        422,
+        "inputs.pixels.data",
+    ),
+    "out of the schema's range": (
+        {"inputs": [{**pixels_tensor([[0.0] * 63 + [99.0]])}]},
+        422,
+        "inputs.pixels.0.63",
+    ),
+    "NaN-free but a string": (
+        {"inputs": [{**pixels_tensor(images(1)), "data": ["x"] * 64}]},
+        422,
+        "inputs.pixels.0.0",
+    ),
+    "too many instances": ({"inputs": [pixels_tensor(images(MAX_INSTANCES + 1))]}, 413, None),
+    "unknown output": (
+        {"inputs": [pixels_tensor(images(1))], "outputs": [{"name": "logits"}]},
+        422,
+        "outputs.logits",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(V2_BAD))
+def test_v2_bad_tensors_get_a_4xx_json_and_the_server_carries_on(base_url, storage, case):
+    body, status, loc = V2_BAD[case]
+    response = infer(base_url, body)
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    assert "error" in response.json()
+    if loc is not None:
+        assert response.json()["detail"][0]["loc"] == loc, response.json()
+    assert infer(base_url, {"inputs": [pixels_tensor(images(1))]}, name="digitz").status_code == 404
+    assert_still_serving(base_url, storage)
+
+
+# --- /metrics ------------------------------------------------------------------------------------
+
+
+def scrape(base_url: str) -> dict[tuple, float]:
+    """Every sample of /metrics, parsed by prometheus-client's own parser: (name, labels) →
+    value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = requests.get(f"{base_url}/metrics", timeout=TIMEOUT)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_count_requests_latency_and_batches(base_url):
+    """The counters move by exactly what this test sends: 3 good requests of 2 instances, one
+    422 (one replica serves the module, so its scrape is live)."""
+    labels = (("model", "digits"), ("version", "1"))
+    before = scrape(base_url)
+    for offset in (0, 2, 4):
+        assert predict(base_url, {"instances": images(2, offset)}).status_code == 200
+    assert predict(base_url, {"instances": [[1.5] * 3]}).status_code == 422
+    after = scrape(base_url)
+
+    def moved(name: str, extra: tuple = ()) -> float:
+        key = (name, tuple(sorted((*labels, *extra))))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert moved("relay_requests_total", (("code", "200"),)) == 3
+    assert moved("relay_requests_total", (("code", "422"),)) == 1
+    assert moved("relay_request_duration_seconds_count") == 4
+    assert moved("relay_request_duration_seconds_sum") > 0
+    # Each good request is one forward of 2 (alone in the replica: nothing else is sent).
+    assert moved("relay_batch_size_count") == 3
+    assert moved("relay_batch_size_sum") == 6
+    assert moved("relay_batch_size_bucket", (("le", "2.0"),)) == 3
+    assert moved("relay_batch_size_bucket", (("le", "1.0"),)) == 0
+
+
 # --- other tasks, the deploy config, refusals before any Ray work -----------------------------
 
 
@@ -344,6 +472,90 @@ def deploy(ray_cluster, storage: Path, prefix: str, **app_args) -> None:
 
     args = AppArgs(**{"num_cpus": 0.5, **app_args, "storage": str(storage)})
     serve.run(app(args), name=prefix.strip("/"), route_prefix=prefix)
+
+
+def test_several_models_share_one_endpoint(ray_cluster, base_url, storage):
+    from ray import serve
+
+    deploy(ray_cluster, storage, "/multi", model="digits:best,charlm:best")
+    multi = f"{base_url}/multi"
+    listed = requests.get(f"{multi}/v1/models", timeout=TIMEOUT).json()["models"]
+    assert [m["name"] for m in listed] == ["charlm", "digits"]
+    response = predict(multi, {"instances": images(2)})
+    assert response.status_code == 200 and response.headers["x-model-version"] == "1"
+    assert_matches(
+        response.json()["predictions"], offline_predictions(storage, "digits:best", images(2))
+    )
+    prompt = {"prompt": "def ", "max_new_tokens": 4, "temperature": 0}
+    response = predict(multi, {"instances": [prompt]}, name="charlm")
+    assert response.json()["predictions"] == offline_predictions(storage, "charlm:best", [prompt])
+    missing = predict(multi, {"instances": [prompt]}, name="nope")
+    assert missing.status_code == 404
+    assert "'charlm', 'digits'" in missing.json()["error"]
+    assert "x-model-version" not in missing.headers  # two models: no version speaks for it
+    paths = requests.get(f"{multi}/openapi.json", timeout=TIMEOUT).json()["paths"]
+    assert {"/v1/models/digits:predict", "/v1/models/charlm:predict"} <= set(paths)
+    serve.delete("multi")  # the module's cluster has CPUs for only so many replicas
+
+
+def test_a_version_swap_under_load_fails_no_request(ray_cluster, base_url, storage):
+    """Redeploying with another version of `digits` (what `relay deploy` does): the replica
+    reconfigures in place (same replica, not a restart), every request under continuous load
+    succeeds, and afterwards only the new version answers."""
+    from ray import serve
+
+    from relay.serving import model_table
+    from relay.serving.app import AppArgs, build
+
+    args = AppArgs(model="digits:best", storage=str(storage), num_cpus=0.5)
+    first = model_table.resolve("digits:best", str(storage))
+    second = model_table.resolve("digits-next:2", str(storage), name="digits")
+    serve.run(build([first], args), name="swap", route_prefix="/swap")
+    swap = f"{base_url}/swap"
+    replica = requests.get(f"{swap}/v1/models/digits/stats", timeout=TIMEOUT).json()["replica"]
+    answers: list = []
+    stop = threading.Event()
+
+    def client() -> None:
+        with requests.Session() as session:
+            while not stop.is_set():
+                sent = time.monotonic()
+                try:
+                    r = session.post(
+                        f"{swap}/v1/models/digits:predict",
+                        json={"instances": images(1)},
+                        timeout=TIMEOUT,
+                    )
+                    answers.append((sent, r.status_code, r.headers.get("x-model-version")))
+                except requests.RequestException as exc:
+                    answers.append((sent, type(exc).__name__, None))
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        while len(answers) < 50:
+            stop.wait(0.05)
+        serve.run(build([second], args), name="swap", route_prefix="/swap")
+        swapped = time.monotonic()
+        while sum(sent > swapped for sent, _, _ in answers) < 50:
+            stop.wait(0.05)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    failed = [answer for answer in answers if answer[1] != 200]
+    assert not failed and len(answers) >= 100, failed[:5]
+    assert "1" in {version for sent, _, version in answers if sent < swapped}
+    # Sent after serve.run returned: the new version only.
+    assert {version for sent, _, version in answers if sent > swapped} == {"2"}
+    stats = requests.get(f"{swap}/v1/models/digits/stats", timeout=TIMEOUT).json()
+    assert stats["replica"] == replica  # swapped inside the same replica
+    response = predict(swap, {"instances": images(2)})
+    assert_matches(
+        response.json()["predictions"], offline_predictions(storage, "digits-next:2", images(2))
+    )
+    serve.delete("swap")
 
 
 def test_charlm_continues_a_prompt(ray_cluster, base_url, storage):
@@ -409,7 +621,7 @@ def test_deploy_config_is_valid_and_its_application_serves(ray_cluster, base_url
     module, _, attribute = application.import_path.partition(":")
     assert getattr(importlib.import_module(module), attribute) is relay_app
     args = AppArgs.model_validate(application.args)
-    assert args.model == "digits:best"
+    assert args.model == ["digits:best"]
     # Only where the model is looked up, and the CPUs, differ from the file.
     deploy(ray_cluster, storage, "/from-config", **args.model_dump(exclude={"storage", "num_cpus"}))
     response = predict(f"{base_url}/from-config", {"instances": [VALID]})
@@ -439,11 +651,11 @@ class NoSchemaTask(Task):
 
 
 def test_a_task_without_schemas_cannot_be_served(tmp_path):
-    from relay.serving.app import AppArgs, resolve
+    from relay.serving.app import AppArgs, resolve_models
 
     make_version(tmp_path, "test_serve:NoSchemaTask", steps=0, model_name="plain")
     with pytest.raises(TypeError, match="cannot be served"):
-        resolve(AppArgs(model="plain:best", storage=str(tmp_path)))
+        resolve_models(AppArgs(model="plain:best", storage=str(tmp_path)))
     task = build_task("test_serve:NoSchemaTask", "debug")
     with pytest.raises(NotImplementedError, match="cannot be served"):
         task.predict(task.build_model(), [])

@@ -658,6 +658,7 @@ COMMANDS = {
     "report": _cmd_report,
     "models": _cmd_models,
     "serve": serving.cmd_serve,
+    "deploy": serving.cmd_deploy,
     "tokenizer": _cmd_tokenizer,
 }
 

@@ -273,3 +273,18 @@ def reclaiming_orphans(interval_s: float = 2.0, settle_s: float = 60.0) -> Itera
             if _settled(job):
                 break
             time.sleep(0.5)
+
+
+def with_serve_version(deployment, version: str):
+    """`deployment` with a fixed Serve code version.
+
+    Serve compares a deployment's version to decide whether a redeploy must restart its
+    replicas. `serve.run` gives every deployment without one a random version, so each
+    `serve.run` of the same code restarts all replicas (client.py: `deployment._version or
+    get_random_string()`), and `.options(version=...)` is refused outside Serve ("removed");
+    only config files (`serve deploy`) get a stable one, hashed from the import path. relay
+    swaps models by redeploying with a new user_config alone, which Serve applies in place when
+    the version is unchanged — so the version is set here, through the `_internal` flag that
+    Serve's own config path uses. No public API does this in Ray 2.60.
+    """
+    return deployment.options(version=version, _internal=True)

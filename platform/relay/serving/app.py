@@ -1,18 +1,25 @@
-"""The Serve application: one registered model behind a FastAPI ingress, batched forwards.
+"""The Serve application: registered models behind one FastAPI ingress, batched forwards.
 
-`relay serve digits:best` runs it (relay/serving/command.py), `serve run serve.app:app
-model=digits:best` too (serve/app.py re-exports `app`), and `serve deploy serve/config.yaml`
-on a running cluster. Any field of `AppArgs` can follow `serve run` as key=value.
+`relay serve digits:best [charlm:best ...]` runs it (relay/serving/command.py), `serve run
+serve.app:app model=digits:best` too (serve/app.py re-exports `app`), and `serve deploy
+serve/config.yaml` on a running cluster. Any field of `AppArgs` can follow `serve run` as
+key=value. Every replica holds every model of the endpoint (relay/serving/model_table.py: the
+table, and how `relay deploy` swaps a version in without a failed request).
 
-Protocol (KServe / TF-Serving v1 REST):
+Protocols: KServe / TF-Serving v1 REST, and KServe v2 (the Open Inference Protocol,
+relay/serving/open_inference.py):
 
     POST /v1/models/{name}:predict   {"instances": [...]} → {"predictions": [...]}
+    GET  /v1/models                  {"models": [the metadata of each]}
     GET  /v1/models/{name}           {"name", "ready", "version", "task", ...}
     GET  /v1/models/{name}/stats     batch sizes this replica has run (a histogram)
-    GET  /healthz                    {"status": "ok"}
-    GET  /docs                       OpenAPI (Swagger UI, served offline), with the task's schema
+    POST /v2/models/{name}/infer     named tensors in, named tensors out
+    GET  /v2/models/{name}           the tensors' names, datatypes and shapes
+    GET  /v2/health/live, /v2/health/ready, /v2/models/{name}/ready, /healthz
+    GET  /metrics                    Prometheus: requests, latency, batch sizes per model
+    GET  /docs                       OpenAPI (Swagger UI, served offline), each model's schema
 
-Every response carries `x-model-version`: the version that answered.
+Every response about a model carries `x-model-version`: the version that answered.
 
 `{name}` is the registry model name ("digits" for `digits:best`). What one instance and one
 prediction look like is the task's business (`Task.Instance` / `Task.Prediction`, e.g. digits:
@@ -30,62 +37,54 @@ relay/serving/ingress.py's business; the application is the same for both.
 """
 
 import asyncio
+import hashlib
 import json
+import re
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
 from fastapi_offline import FastAPIOffline
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 from ray import serve
 from ray.serve.deployment import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import relay
+from relay import cluster
 from relay.config import NAME_PATTERN
+from relay.serving import metrics, model_table
+from relay.serving import open_inference as v2
 from relay.serving.batching import AdaptiveBatcher
-from relay.serving.web import (
-    BodyLimit,
-    ResponseHeaders,
-    document,
-    error,
-    error_detail,
-    schema_ref,
-)
+from relay.serving.model_table import LoadedModel, ModelInfo
+from relay.serving.web import BodyLimit, error, error_detail
 
 MIB = 1 << 20
-# On every response: the model version that answered (the registry's number, or the reference
-# when the model was served from a run id or a checkpoint directory).
+# On every response about a model: the version that answered (the registry's number, or the
+# reference when the model was served from a run id or a checkpoint directory).
 VERSION_HEADER = "x-model-version"
+DEPLOYMENT = "relay-models"
+PLATFORM = "relay_pytorch"  # the v2 metadata's "platform": <framework>_<backend>-like
 
 
-class AppArgs(BaseModel):
-    """What `serve run serve.app:app key=value ...` and serve/config.yaml's `args` accept.
-
-    Values arrive as strings from the command line; pydantic converts them ("0.5" → 0.5).
-    """
+class ReplicaArgs(BaseModel):
+    """What each replica is built from (its constructor's arguments). The rest of `AppArgs`
+    either travels in the user_config (which models) or is Serve's own deployment config
+    (replica counts, in-flight limit, access log), which Serve changes without a restart."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(
-        description="A registry reference: name:best, name:latest, name:N, a run id, or a "
-        "checkpoint directory."
-    )
-    storage: str | None = Field(None, description="Storage root; null: $RELAY_HOME, ~/relay.")
-    name: str | None = Field(
-        None,
-        pattern=NAME_PATTERN,  # as registry names: one URL path segment
-        description="Model name in URLs; null: the registry model name (or the task's).",
-    )
-    replicas: int = Field(1, ge=1, description="Replicas (the minimum when autoscaling).")
-    max_replicas: int | None = Field(
-        None, ge=1, description="Autoscale up to this many replicas; null: a fixed count."
-    )
-    target_ongoing_requests: float = Field(
-        32, gt=0, description="Autoscaling target of in-flight requests per replica."
-    )
     num_cpus: float = Field(0.5, gt=0, description="CPUs each replica reserves.")
     max_batch_size: int = Field(32, ge=1, description="Instances per forward pass (1: none).")
     batching: Literal["adaptive", "serve"] = Field(
@@ -99,105 +98,171 @@ class AppArgs(BaseModel):
     )
     max_instances: int = Field(256, ge=1, description="Instances one request may carry.")
     max_body_bytes: int = Field(MIB, ge=1, description="Largest request body, in bytes.")
+
+
+class AppArgs(ReplicaArgs):
+    """What `serve run serve.app:app key=value ...` and serve/config.yaml's `args` accept.
+
+    Values arrive as strings from the command line; pydantic converts them ("0.5" → 0.5).
+    """
+
+    model: list[str] = Field(
+        min_length=1,
+        description="Registry references (name:best, name:latest, name:N, a run id, or a "
+        "checkpoint directory), one per model; a string may list several, comma-separated.",
+    )
+    storage: str | None = Field(None, description="Storage root; null: $RELAY_HOME, ~/relay.")
+    name: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,  # as registry names: one URL path segment
+        description="Model name in URLs, when one model is served; null: the registry model "
+        "name (or the task's).",
+    )
+    replicas: int = Field(1, ge=1, description="Replicas (the minimum when autoscaling).")
+    max_replicas: int | None = Field(
+        None, ge=1, description="Autoscale up to this many replicas; null: a fixed count."
+    )
+    target_ongoing_requests: float = Field(
+        32, gt=0, description="Autoscaling target of in-flight requests per replica."
+    )
     # Serve's default (5) queues requests at the proxy long before a replica is busy; at 256 a
     # replica holds enough requests in flight to fill its batches (RAY-NOTES, 32 clients: 20 →
     # 283 req/s together with the access log off).
     max_ongoing_requests: int = Field(256, ge=1, description="In-flight requests per replica.")
     access_log: bool = Field(False, description="Log every request (a log line costs time).")
 
+    @field_validator("model", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
-class ModelInfo(BaseModel):
-    """The resolved model a deployment serves; resolved once, on the driver, so that every
-    replica loads the same checkpoint even if a newer version is registered meanwhile."""
+    @model_validator(mode="after")
+    def _one_name(self) -> "AppArgs":
+        if self.name is not None and len(self.model) > 1:
+            raise ValueError("name renames one model; it cannot name several")
+        return self
 
-    name: str
-    reference: str  # e.g. "digits:3", a run id, or a checkpoint path
-    version: int | str
-    task: str
-    checkpoint: str
+    def replica_args(self) -> ReplicaArgs:
+        return ReplicaArgs.model_validate(self.model_dump(include=set(ReplicaArgs.model_fields)))
 
 
-def resolve(args: AppArgs) -> ModelInfo:
-    """Registry reference → checkpoint. Raises KeyError (no such model), TypeError (its task
-    cannot be served) or OSError (the checkpoint is unreadable)."""
-    from relay import checkpoint, config, registry
-    from relay.tasks import resolve_task_class
-
-    found = registry.resolve_model(config.resolve_storage(args.storage), args.model)
-    task_name = checkpoint.read_meta(found.checkpoint)["config"]["task"]
-    if not resolve_task_class(task_name).servable():
-        raise TypeError(
-            f"task {task_name!r} cannot be served: it needs Instance and Prediction schemas and "
-            "a predict() method (see relay/tasks/base.py)"
-        )
-    version = found.version or {}
-    return ModelInfo(
-        name=args.name or version.get("model") or registry.default_model_name(task_name),
-        reference=found.reference,
-        version=version.get("version", found.reference),
-        task=task_name,
-        checkpoint=str(found.checkpoint),
-    )
+def resolve_models(args: AppArgs) -> list[ModelInfo]:
+    """Each reference → its checkpoint. Raises KeyError (no such model), TypeError (its task
+    cannot be served), OSError (the checkpoint is unreadable) or ValueError (two models with
+    one name)."""
+    models = [model_table.resolve(ref, args.storage, args.name) for ref in args.model]
+    names = [info.name for info in models]
+    if len(set(names)) < len(names):
+        raise ValueError(f"two models named {max(names, key=names.count)!r} on one endpoint")
+    return models
 
 
 # --- the deployment --------------------------------------------------------------------------
 
 
 @serve.deployment
-@serve.ingress()  # the FastAPI app is built per replica: its routes need the loaded task
+@serve.ingress()  # the FastAPI app is built per replica
 class ModelServer:
-    def __init__(self, info: ModelInfo, args: AppArgs) -> None:
+    def __init__(self, args: ReplicaArgs) -> None:
         import torch
-
-        from relay.checkpoint import load_model
 
         # Threads beyond the reserved CPUs only fight the other replicas (and Ray) for cores.
         torch.set_num_threads(max(1, int(args.num_cpus)))
-        self.info, self.args = info, args
-        self.task, self.model = load_model(info.checkpoint)
+        self.args = args
+        self.table: dict[str, LoadedModel] = {}  # filled by reconfigure, before any request
         # One forward at a time, off the event loop: a long generate() must not stall health
         # checks or the intake of the next batch.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-        self.batch_sizes: Counter[int] = Counter()
         self.started = time.time()
-        self.batcher = AdaptiveBatcher(self.forward, args.max_batch_size, args.batch_wait_timeout_s)
+        self.metrics = metrics.ReplicaMetrics()
+        self.pusher: asyncio.Task | None = None  # started by the first reconfigure (a loop runs)
         self.forward_serve_batched.set_max_batch_size(args.max_batch_size)
         self.forward_serve_batched.set_batch_wait_timeout_s(args.batch_wait_timeout_s)
 
-    async def forward(self, instances: list[BaseModel]) -> list[dict[str, Any]]:
-        """One forward pass over a batch of validated instances."""
-        self.batch_sizes[len(instances)] += 1
+    async def reconfigure(self, config: dict[str, Any]) -> None:
+        """Serve calls this with the user_config: at start, and on `relay deploy`. Requests go
+        on meanwhile; the new table replaces the old one in one assignment."""
+        table = await model_table.load_table(model_table.models_of(config), self.table)
+        for entry in table.values():
+            if entry.batcher is None:
+                entry.batcher = AdaptiveBatcher(
+                    lambda instances, entry=entry: self.forward(entry, instances),
+                    self.args.max_batch_size,
+                    self.args.batch_wait_timeout_s,
+                )
+        self.table = table
+        if self.pusher is None:
+            context = serve.get_replica_context()
+            self.pusher = asyncio.create_task(
+                metrics.push_forever(self.metrics, context.replica_id.unique_id, context.app_name)
+            )
+
+    async def forward(self, entry: LoadedModel, instances: list[BaseModel]) -> list[dict]:
+        """One forward pass of one model over a batch of validated instances."""
+        entry.batch_sizes[len(instances)] += 1
+        self.metrics.batch(entry.info.name, entry.version, len(instances))
         loop = asyncio.get_running_loop()
         predictions = await loop.run_in_executor(
-            self.executor, self.task.predict, self.model, instances
+            self.executor, entry.task.predict, entry.model, instances
         )
         return [prediction.model_dump(mode="json") for prediction in predictions]
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)  # reset per app in __init__
-    async def forward_serve_batched(self, instances: list[BaseModel]) -> list[dict[str, Any]]:
-        return await self.forward(instances)
+    async def forward_serve_batched(
+        self, items: list[tuple[LoadedModel, BaseModel]]
+    ) -> list[dict[str, Any]]:
+        # One batch may mix models (and versions, across a swap): one forward per model.
+        results: list[Any] = [None] * len(items)
+        for entry in {id(entry): entry for entry, _ in items}.values():
+            indices = [i for i, (e, _) in enumerate(items) if e is entry]
+            predictions = await self.forward(entry, [items[i][1] for i in indices])
+            for i, prediction in zip(indices, predictions, strict=True):
+                results[i] = prediction
+        return results
 
-    def metadata(self) -> dict[str, Any]:
+    async def run(self, entry: LoadedModel, instances: list[BaseModel]) -> list[dict]:
+        if self.args.batching == "adaptive":
+            return await entry.batcher.submit(instances)
+        return list(
+            await asyncio.gather(*(self.forward_serve_batched((entry, i)) for i in instances))
+        )
+
+    def entry(self, name: str) -> LoadedModel | None:
+        return self.table.get(name)
+
+    def unknown(self, name: str) -> JSONResponse:
+        served = ", ".join(repr(n) for n in sorted(self.table)) or "none"
+        return error(404, f"unknown model {name!r}; this server has {served}")
+
+    def metadata(self, entry: LoadedModel) -> dict[str, Any]:
         return {
-            **self.info.model_dump(),
+            **entry.info.model_dump(),
             "ready": True,
             "max_batch_size": self.args.max_batch_size,
             "max_instances": self.args.max_instances,
         }
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, entry: LoadedModel) -> dict[str, Any]:
+        sizes = entry.batch_sizes
         return {
             "replica": serve.get_replica_context().replica_id.unique_id,
-            "batches": sum(self.batch_sizes.values()),
-            "instances": sum(size * n for size, n in self.batch_sizes.items()),
-            "max_batch_size_seen": max(self.batch_sizes, default=0),
-            "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+            "version": entry.info.version,
+            "batches": sum(sizes.values()),
+            "instances": sum(size * n for size, n in sizes.items()),
+            "max_batch_size_seen": max(sizes, default=0),
+            "batch_size_histogram": {str(k): v for k, v in sorted(sizes.items())},
             "uptime_s": round(time.time() - self.started, 3),
         }
 
-    async def predict(self, name: str, body: bytes) -> JSONResponse:
-        if name != self.info.name:
-            return error(404, f"unknown model {name!r}; this server has {self.info.name!r}")
+    def check_count(self, count: int, loc: str) -> JSONResponse | None:
+        if count > self.args.max_instances:
+            message = f"{count} instances; at most {self.args.max_instances} per request"
+            return error(413, message, [{"loc": loc, "msg": message, "type": "too_long"}])
+        return None
+
+    async def predict(self, entry: LoadedModel, body: bytes) -> JSONResponse:
         try:
             payload = json.loads(body)
         except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, a 5000-digit number,
@@ -212,42 +277,121 @@ class ModelServer:
         if not raw:
             detail = [{"loc": "instances", "msg": "no instances", "type": "too_short"}]
             return error(422, "no instances", detail)
-        if len(raw) > self.args.max_instances:
-            message = f"{len(raw)} instances; at most {self.args.max_instances} per request"
-            return error(413, message, [{"loc": "instances", "msg": message, "type": "too_long"}])
+        if too_many := self.check_count(len(raw), "instances"):
+            return too_many
         try:
-            instances = self.task.validate_instances(raw)
+            instances = entry.task.validate_instances(raw)
         except ValidationError as exc:
             return error(422, "invalid instances", error_detail(exc, ("instances",)))
-        if self.args.batching == "adaptive":
-            predictions = await self.batcher.submit(instances)
-        else:
-            predictions = await asyncio.gather(*(self.forward_serve_batched(i) for i in instances))
-        return JSONResponse({"predictions": predictions})
+        return JSONResponse({"predictions": await self.run(entry, instances)})
+
+    async def infer(self, entry: LoadedModel, body: bytes) -> JSONResponse:
+        """KServe v2: named tensors → the task's instances → the same forwards as v1."""
+        try:
+            payload = json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            return error(400, f"malformed JSON: {exc}")
+        schemas = entry.task.Instance, entry.task.Prediction
+        try:
+            rows = v2.instances_from_infer_request(payload, schemas[0], self.args.max_instances)
+            outputs = v2.requested_outputs(payload, schemas[1])
+            try:
+                instances = entry.task.validate_instances(rows)
+            except ValidationError as exc:
+                raise v2.validation_error(exc, schemas[0]) from None
+        except v2.InferError as exc:
+            return error(exc.status, exc.message, exc.detail)
+        predictions = await self.run(entry, instances)
+        return JSONResponse(
+            v2.infer_response(
+                entry.info.name, entry.version, payload.get("id"), predictions, schemas[1], outputs
+            )
+        )
+
+    async def scrape(self) -> bytes:
+        """/metrics: this replica's counts, live, and every other replica's last push."""
+        context = serve.get_replica_context()
+        others = await metrics.board(context.app_name).collect.remote()
+        others.pop(context.replica_id.unique_id, None)
+        return metrics.render([self.metrics.snapshot(), *others.values()])
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_http_app(self)
 
 
+# The model a path is about: /v1/models/{name}..., /v2/models/{name}...
+MODEL_PATH = re.compile(r"^/v[12]/models/([^/:]+)")
+
+
+def model_named_in(scope) -> str | None:
+    """The model name in a request's path, below the application's route prefix (ASGI's
+    `path` includes `root_path`)."""
+    path = scope["path"].removeprefix(scope.get("root_path", ""))
+    match = MODEL_PATH.match(path)
+    return match.group(1) if match else None
+
+
+class VersionHeader:
+    """Pure ASGI middleware: `x-model-version` on every response about a served model that
+    lacks it (routes set it themselves, from the version they ran; this covers the answers
+    that come before a route, e.g. a 413 for a body over the limit)."""
+
+    def __init__(self, app, server: ModelServer) -> None:
+        self.app, self.server = app, server
+
+    def version_for(self, scope) -> str | None:
+        if (name := model_named_in(scope)) and (entry := self.server.entry(name)) is not None:
+            return entry.version
+        if len(self.server.table) == 1:  # one model: whatever the path, it is the one
+            return next(iter(self.server.table.values())).version
+        return None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or (version := self.version_for(scope)) is None:
+            return await self.app(scope, receive, send)
+        header = (VERSION_HEADER.encode(), version.encode())
+
+        async def with_version(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if all(key != header[0] for key, _ in headers):
+                    message = {**message, "headers": [*headers, header]}
+            await send(message)
+
+        await self.app(scope, receive, with_version)
+
+
+def answered_by(entry: LoadedModel, response: JSONResponse) -> JSONResponse:
+    response.headers[VERSION_HEADER] = entry.version
+    return response
+
+
 def build_http_app(server: ModelServer) -> FastAPI:
-    info, task = server.info, server.task
     # FastAPI's own /docs page loads Swagger UI from a CDN: blank on a machine without internet
     # access. fastapi-offline's serves the same page from files in the package
     # (/static-offline-docs); ReDoc, CDN-only in FastAPI too, is left out.
     api = FastAPIOffline(
-        title=f"relay: {info.name}",
-        version=str(info.version),
-        description=f"Model `{info.reference}` (task `{info.task}`), KServe v1 protocol.",
+        title="relay",
+        version=relay.__version__,
+        description="Models served by relay: KServe v1 and v2 (Open Inference) protocols.",
         redoc_url=None,
     )
     api.add_middleware(BodyLimit, max_bytes=server.args.max_body_bytes)
-    # Added last, so outermost: the 413s of the body limit carry it too.
-    api.add_middleware(ResponseHeaders, headers={VERSION_HEADER: str(info.version)})
-    # The request and response schemas, for /docs only (predict() checks the body itself).
-    limits = Field(min_length=1, max_length=server.args.max_instances)
-    request_model = create_model("PredictRequest", instances=(list[task.Instance], limits))
-    response_model = create_model("PredictResponse", predictions=(list[task.Prediction], ...))
-    document(api, request_model, response_model)
+    # Added after the body limit, so outside it: its 413s carry the version too.
+    api.add_middleware(VersionHeader, server=server)
+
+    def counted_model(scope) -> str | None:
+        name = model_named_in(scope)
+        return name if name and server.entry(name) else None
+
+    # Outermost: it reads the version header the layer inside adds.
+    api.add_middleware(
+        metrics.RequestTimer,
+        metrics=server.metrics,
+        model_of=counted_model,
+        version_header=VERSION_HEADER,
+    )
+    api.openapi = lambda: openapi(api, server)
 
     @api.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -261,40 +405,140 @@ def build_http_app(server: ModelServer) -> FastAPI:
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
+    @api.get("/metrics", response_class=Response)
+    async def prometheus_metrics() -> Response:
+        from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+        return Response(await server.scrape(), media_type=CONTENT_TYPE_LATEST)
+
+    @api.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        table = server.table
+        return JSONResponse({"models": [server.metadata(table[name]) for name in sorted(table)]})
+
     @api.get("/v1/models/{name}")
     async def model_metadata(name: str) -> JSONResponse:
-        if name != info.name:
-            return error(404, f"unknown model {name!r}; this server has {info.name!r}")
-        return JSONResponse(server.metadata())
+        if (entry := server.entry(name)) is None:
+            return server.unknown(name)
+        return answered_by(entry, JSONResponse(server.metadata(entry)))
 
     @api.get("/v1/models/{name}/stats")
     async def model_stats(name: str) -> JSONResponse:
-        if name != info.name:
-            return error(404, f"unknown model {name!r}; this server has {info.name!r}")
-        return JSONResponse(server.stats())
+        if (entry := server.entry(name)) is None:
+            return server.unknown(name)
+        return answered_by(entry, JSONResponse(server.stats(entry)))
 
-    @api.post(
-        "/v1/models/{name}:predict",
-        openapi_extra={"requestBody": {"required": True, **schema_ref(request_model)}},
-        responses={200: schema_ref(response_model)},
-    )
+    # Documented per served model by openapi() below, with that model's schemas.
+    @api.post("/v1/models/{name}:predict", include_in_schema=False)
     async def predict(name: str, request: Request) -> JSONResponse:
+        if (entry := server.entry(name)) is None:
+            return server.unknown(name)
         # The body is parsed here, not by FastAPI, so every failure gets relay's error shape
         # and the task can check what depends on the model (validation context).
-        return await server.predict(name, await request.body())
+        return answered_by(entry, await server.predict(entry, await request.body()))
+
+    @api.get("/v2")
+    async def v2_server() -> dict[str, Any]:
+        return {"name": "relay", "version": relay.__version__, "extensions": []}
+
+    @api.get("/v2/health/live")
+    async def v2_live() -> dict[str, bool]:
+        return {"live": True}
+
+    @api.get("/v2/health/ready")
+    async def v2_ready() -> JSONResponse:
+        ready = bool(server.table)
+        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+    @api.get("/v2/models/{name}")
+    async def v2_model_metadata(name: str) -> JSONResponse:
+        if (entry := server.entry(name)) is None:
+            return server.unknown(name)
+        body = v2.model_metadata(
+            name, [entry.version], PLATFORM, entry.task.Instance, entry.task.Prediction
+        )
+        return answered_by(entry, JSONResponse(body))
+
+    @api.get("/v2/models/{name}/ready")
+    async def v2_model_ready(name: str) -> JSONResponse:
+        if (entry := server.entry(name)) is None:
+            return server.unknown(name)
+        return answered_by(entry, JSONResponse({"name": name, "ready": True}))
+
+    @api.post("/v2/models/{name}/infer", include_in_schema=False)
+    async def v2_infer(name: str, request: Request) -> JSONResponse:
+        if (entry := server.entry(name)) is None:
+            return server.unknown(name)
+        return answered_by(entry, await server.infer(entry, await request.body()))
 
     return api
 
 
+def openapi(api: FastAPI, server: ModelServer) -> dict[str, Any]:
+    """The OpenAPI document: the fixed routes, and for each served model its own predict path
+    with its task's request and response schemas. Built per call: a swap can change them."""
+    schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
+    paths, components = schema["paths"], schema.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    limits = Field(min_length=1, max_length=server.args.max_instances)
+    for name, entry in sorted(server.table.items()):
+        prefix = re.sub(r"\W", "_", name)
+        request_model = create_model(
+            f"{prefix}_PredictRequest", instances=(list[entry.task.Instance], limits)
+        )
+        response_model = create_model(
+            f"{prefix}_PredictResponse", predictions=(list[entry.task.Prediction], ...)
+        )
+        for model in (request_model, response_model):
+            spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(spec.pop("$defs", {}))
+            schemas[model.__name__] = spec
+        about = f"{name} (version {entry.version}, task {entry.info.task})"
+        paths[f"/v1/models/{name}:predict"] = {
+            "post": {
+                "summary": f"Predict with {about}",
+                "operationId": f"predict_{prefix}",
+                "requestBody": {"required": True, **_json_ref(request_model)},
+                "responses": {"200": {"description": "Predictions", **_json_ref(response_model)}},
+            }
+        }
+        paths[f"/v2/models/{name}/infer"] = {
+            "post": {
+                "summary": f"Infer with {about}: the tensors GET /v2/models/{name} names",
+                "operationId": f"infer_{prefix}",
+                "requestBody": {"required": True, **_json_ref(v2.InferRequest)},
+                "responses": {"200": {"description": "Outputs", **_json_ref(v2.InferResponse)}},
+            }
+        }
+    for model in (v2.InferRequest, v2.InferResponse):
+        spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(spec.pop("$defs", {}))
+        schemas[model.__name__] = spec
+    return schema
+
+
+def _json_ref(model: type[BaseModel]) -> dict[str, Any]:
+    ref = f"#/components/schemas/{model.__name__}"
+    return {"content": {"application/json": {"schema": {"$ref": ref}}}}
+
+
 def app(args: AppArgs) -> Application:
     """The application builder `serve run serve.app:app model=...` calls (Serve turns the
-    key=value arguments into `AppArgs`). Resolves the model here, on the driver, so a bad
+    key=value arguments into `AppArgs`). Resolves the models here, on the driver, so a bad
     reference fails before any replica starts."""
-    return build(resolve(args), args)
+    return build(resolve_models(args), args)
 
 
-def build(info: ModelInfo, args: AppArgs) -> Application:
-    """The application serving an already resolved model (`relay serve` resolves it first)."""
+def replica_version(args: ReplicaArgs) -> str:
+    """A digest of what the replicas are built from (their arguments and relay's version).
+    Serve restarts replicas when it changes; when only the models change, it does not (see
+    relay/serving/model_table.py)."""
+    built_from = {"relay": relay.__version__, **args.model_dump()}
+    return hashlib.sha256(json.dumps(built_from, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build(models: list[ModelInfo], args: AppArgs) -> Application:
+    """The application serving already resolved models (`relay serve` resolves them first)."""
     if args.max_replicas is not None and args.max_replicas > args.replicas:
         scaling: dict[str, Any] = {
             "autoscaling_config": {
@@ -305,10 +549,13 @@ def build(info: ModelInfo, args: AppArgs) -> Application:
         }
     else:
         scaling = {"num_replicas": args.replicas}
-    return ModelServer.options(
-        name=f"relay-{info.name}",
+    deployment = ModelServer.options(
+        name=DEPLOYMENT,
         ray_actor_options={"num_cpus": args.num_cpus},
         max_ongoing_requests=args.max_ongoing_requests,
         logging_config={"enable_access_log": args.access_log},
+        user_config=model_table.user_config(models),
         **scaling,
-    ).bind(info, args)
+    )
+    replica_args = args.replica_args()
+    return cluster.with_serve_version(deployment, replica_version(replica_args)).bind(replica_args)

@@ -1,10 +1,11 @@
-"""`relay serve REF`: serve one model over HTTP from a Ray cluster (Ray Serve).
+"""`relay serve REF [REF ...]`: serve models over HTTP from a Ray cluster (Ray Serve), and
+`relay deploy REF [REF ...]`: swap versions into a running `relay serve` without a failed request.
 
-Thin, like the rest of the CLI: check the arguments and resolve the model before Ray starts (a
+Thin, like the rest of the CLI: check the arguments and resolve the models before Ray starts (a
 bad reference exits 2 in a second, not after a cluster start), then run relay/serving/app.py's
 application with Serve bound to --host:--port (loopback unless asked) behind the chosen ingress
-(relay/serving/ingress.py), wait until the endpoint answers, print how to call it, and wait for
-Ctrl-C (or SIGTERM) to take it down again.
+(relay/serving/ingress.py), wait until the endpoint answers, print how to call it, record where
+it runs (relay/serving/endpoint.py) and wait for Ctrl-C (or SIGTERM) to take it down again.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import signal
 import socket
 import sys
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
-from relay.serving import ingress
+from relay.serving import endpoint, ingress
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 
@@ -50,20 +53,27 @@ def _port(text: str) -> int:
     return port
 
 
+REFS_HELP = (
+    "models to serve, each name:best, name:latest, name:N, a run id, or a checkpoint directory; "
+    "several share the endpoint, each under its own name"
+)
+APP_NAME = "relay"  # the Serve application relay serve runs
+
+
+def _add_endpoint_flags(parser: argparse.ArgumentParser, host_help: str) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help=host_help)
+    parser.add_argument("--port", type=_port, default=8000, help="HTTP port (default: 8000)")
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "serve", help="serve a model over HTTP (Ray Serve; KServe v1 protocol)"
+        "serve", help="serve models over HTTP (Ray Serve; KServe v1 and v2 protocols)"
     )
-    parser.add_argument(
-        "ref", help="name:best, name:latest, name:N, a run id, or a checkpoint directory"
+    parser.add_argument("refs", nargs="+", metavar="REF", help=REFS_HELP)
+    _add_endpoint_flags(
+        parser,
+        "address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0: every interface)",
     )
-    parser.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0: every "
-        "interface)",
-    )
-    parser.add_argument("--port", type=_port, default=8000, help="HTTP port (default: 8000)")
     parser.add_argument(
         "--ingress",
         choices=ingress.INGRESSES,
@@ -79,6 +89,20 @@ def add_parser(subparsers) -> None:
     for field, (kind, text) in APP_FLAGS.items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=kind, help=text)
     parser.add_argument("--verbose", action="store_true", help="show Ray's own logs")
+
+    deploy = subparsers.add_parser(
+        "deploy",
+        help="swap model versions into a running relay serve, with no failed request",
+        description="Each REF replaces the served model of its name (or joins the endpoint). "
+        "The replicas load the new weights beside the old and switch at once; requests go on "
+        "throughout.",
+    )
+    deploy.add_argument("refs", nargs="+", metavar="REF", help=REFS_HELP)
+    _add_endpoint_flags(
+        deploy, "the endpoint's address, as given to relay serve (default: 127.0.0.1)"
+    )
+    deploy.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
+    deploy.add_argument("--verbose", action="store_true", help="show Ray's own logs")
 
 
 def _fail(message: str, code: int) -> int:
@@ -118,23 +142,40 @@ def _stop_on_signals() -> dict[int, Any]:
     return {sig: signal.signal(sig, raise_interrupt) for sig in STOP_SIGNALS}
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def _app_args(refs: list[str], options: dict[str, Any]):
+    """AppArgs from the command line, or the one-line message for a bad flag."""
     from pydantic import ValidationError
 
-    from relay.serving import app as app_module
+    from relay.serving.app import AppArgs
 
-    options = {f: getattr(args, f) for f in APP_FLAGS if getattr(args, f) is not None}
     try:
-        app_args = app_module.AppArgs(model=args.ref, **options)
+        return AppArgs(model=refs, **options), None
     except ValidationError as exc:
         item = exc.errors()[0]
+        if not item["loc"]:  # a rule between fields
+            return None, item["msg"].removeprefix("Value error, ")
         flag = "--" + "-".join(str(part) for part in item["loc"]).replace("_", "-")
-        return _fail(f"{flag}: {item['msg']}", EXIT_USAGE)
+        return None, f"{flag}: {item['msg']}"
+
+
+def _resolve(app_args) -> tuple[list, str | None]:
+    from relay.serving.app import resolve_models
+
     try:
-        info = app_module.resolve(app_args)
+        return resolve_models(app_args), None
     except (KeyError, TypeError, ValueError, OSError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) else str(exc)
-        return _fail(f"cannot serve {args.ref!r}: {message}", EXIT_USAGE)
+        return [], f"cannot serve {', '.join(app_args.model)}: {message}"
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    options = {f: getattr(args, f) for f in APP_FLAGS if getattr(args, f) is not None}
+    app_args, problem = _app_args(args.refs, options)
+    if problem:
+        return _fail(problem, EXIT_USAGE)
+    models, problem = _resolve(app_args)
+    if problem:
+        return _fail(problem, EXIT_USAGE)
     if args.address:
         os.environ["RAY_ADDRESS"] = args.address
     import ray
@@ -147,14 +188,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from relay import cluster
+    from relay.serving.app import build
     from relay.tasks import resolve_task_class
 
     setup = None
     if own_cluster:  # read by the cluster's processes as they start
         setup = ingress.serve_environment(args.ingress or ingress.HAPROXY)
         setup.apply()
-    app_name = f"relay-{info.name}"
     previous_handlers: dict[int, Any] = {}
+    recorded = False
     try:
         cluster.connect(verbose=args.verbose)
         # After ray.init, which installs a SIGTERM handler of its own (it exits at once).
@@ -163,11 +205,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
             http_options={"host": args.host, "port": args.port},
             logging_config={"enable_access_log": app_args.access_log},
         )
-        serve.run(app_module.build(info, app_args), name=app_name, route_prefix="/")
+        serve.run(build(models, app_args), name=APP_NAME, route_prefix="/")
         base = f"http://{args.host}:{args.port}"
-        ingress.wait_until_answering(f"{base}/v1/models/{info.name}")
+        for info in models:
+            ingress.wait_until_answering(f"{base}/v1/models/{info.name}")
         running = ingress.running_ingress()
-        print(f"serving {info.reference} (task {info.task}) at {base}/v1/models/{info.name}")
+        here = endpoint.Endpoint(
+            host=args.host,
+            port=args.port,
+            address=ray.get_runtime_context().gcs_address,
+            app_name=APP_NAME,
+            pid=os.getpid(),
+            args=app_args.model_dump(mode="json"),
+            auth_mode=os.environ.get("RAY_AUTH_MODE"),
+        )
+        endpoint.write(app_args.storage, here)
+        recorded = True
+        for info in models:
+            print(f"serving {info.reference} (task {info.task}) at {base}/v1/models/{info.name}")
         print(f"ingress: {running} ({ingress.DESCRIPTIONS[running]})")
         if args.ingress and args.ingress != running:
             print(
@@ -175,8 +230,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"{os.environ['RAY_ADDRESS']} runs {running} (chosen when it started)",
                 file=sys.stderr,
             )
-        print(f"API docs: {base}/docs   stop: Ctrl-C")
-        print(_example_curl(base, info.name, resolve_task_class(info.task).Instance), flush=True)
+        print(f"API docs: {base}/docs   metrics: {base}/metrics   stop: Ctrl-C")
+        first = models[0]
+        print(_example_curl(base, first.name, resolve_task_class(first.task).Instance))
+        print(f"new version: relay deploy {first.name}:N --port {args.port}", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -185,11 +242,97 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except Exception as exc:  # a replica that cannot start, a port Serve cannot take, ...
         return _fail(f"serving failed: {exc}", EXIT_FAILED)
     finally:
-        _take_down(app_name, own_cluster)
+        if recorded:
+            endpoint.remove(app_args.storage, args.host, args.port, os.getpid())
+        _take_down(APP_NAME, own_cluster)
         if setup is not None:
             setup.remove()
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
+
+
+def _get_json(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.load(response)
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    """Swap versions into the relay serve at --host:--port: the same application and replica
+    arguments, a new model table (Serve reconfigures the replicas in place)."""
+    found = endpoint.read(args.storage, args.host, args.port)
+    if found is None:
+        where = endpoint.record_path(args.storage, args.host, args.port)
+        return _fail(
+            f"no relay serve runs at {args.host}:{args.port} (no live record at {where}); "
+            "start one with relay serve, or give the --host/--port/--storage it was given",
+            EXIT_USAGE,
+        )
+    # Read by Ray as it is imported (below, with the app): the cluster's authentication mode.
+    os.environ["RAY_ADDRESS"] = found.address
+    if found.auth_mode:
+        os.environ.setdefault("RAY_AUTH_MODE", found.auth_mode)
+
+    from relay.serving.app import AppArgs, build
+    from relay.serving.model_table import ModelInfo
+
+    served_args = AppArgs.model_validate(found.args)
+    new_args, problem = _app_args(args.refs, served_args.replica_args().model_dump())
+    if problem:
+        return _fail(problem, EXIT_USAGE)
+    new_args.storage = served_args.storage
+    new, problem = _resolve(new_args)
+    if problem:
+        return _fail(problem, EXIT_USAGE)
+    try:  # what the endpoint serves now, as it says itself
+        current = [
+            ModelInfo.model_validate({k: m[k] for k in ModelInfo.model_fields})
+            for m in _get_json(f"{found.base_url}/v1/models")["models"]
+        ]
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+        return _fail(f"{found.base_url} does not answer: {exc}", EXIT_FAILED)
+    table = {info.name: info for info in current}
+    before = {name: info.version for name, info in table.items()}
+    table.update({info.name: info for info in new})
+    models = list(table.values())
+    served_args.model = [info.reference for info in models]
+
+    import ray
+    from ray import serve
+
+    from relay import cluster
+
+    try:
+        cluster.connect(verbose=args.verbose)
+        # Returns once every replica runs the new table (Serve's application status).
+        serve.run(build(models, served_args), name=found.app_name, route_prefix="/")
+        for info in new:
+            _wait_for_version(found.base_url, info)
+    except Exception as exc:
+        return _fail(f"deploy failed: {exc}", EXIT_FAILED)
+    finally:
+        ray.shutdown()
+    found.args = served_args.model_dump(mode="json")
+    endpoint.write(served_args.storage, found)
+    for info in new:
+        was = before.get(info.name)
+        change = f"version {was} → {info.version}" if was is not None else "added"
+        print(f"deployed {info.reference} at {found.base_url}/v1/models/{info.name} ({change})")
+    return 0
+
+
+def _wait_for_version(base_url: str, info, timeout_s: float = 60.0) -> None:
+    """Until the endpoint answers for `info.name` with its version (HAProxy may still be
+    switching over from a replica that left, when the swap restarted replicas)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if _get_json(f"{base_url}/v1/models/{info.name}")["version"] == info.version:
+                return
+        except (urllib.error.URLError, OSError, ValueError, KeyError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{info.name} did not answer with version {info.version}")
+        time.sleep(0.1)
 
 
 def _take_down(app_name: str, own_cluster: bool) -> None:

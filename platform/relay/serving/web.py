@@ -1,14 +1,12 @@
-"""HTTP parts of the serving app that know nothing of models: relay's JSON error shape, the
-request-body limit, and OpenAPI documentation for routes that parse their own bodies."""
+"""HTTP parts of the serving app that know nothing of models: relay's JSON error shape and the
+request-body limit."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 
 def error(status: int, message: str, detail: list[dict[str, Any]] | None = None) -> JSONResponse:
@@ -92,46 +90,3 @@ class BodyLimit:
             read += len(message.get("body", b""))
             drain = message.get("more_body", False)
         await error(413, f"request body exceeds {self.max_bytes} bytes")(scope, receive, send)
-
-
-class ResponseHeaders:
-    """Pure ASGI middleware: fixed headers on every response, errors included (e.g. which
-    model version answered, so a client can tell during a version swap)."""
-
-    def __init__(self, app, headers: dict[str, str]) -> None:
-        self.app = app
-        self.headers = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def with_headers(message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), *self.headers]}
-            await send(message)
-
-        await self.app(scope, receive, with_headers)
-
-
-def document(api: FastAPI, *models: type[BaseModel]) -> None:
-    """Put `models` (and the models they nest) into the OpenAPI components, so the predict
-    route can point at its request schema although it parses the body itself."""
-
-    def openapi() -> dict[str, Any]:
-        if api.openapi_schema is None:
-            schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in models:
-                spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(spec.pop("$defs", {}))
-                components[model.__name__] = spec
-            api.openapi_schema = schema
-        return api.openapi_schema
-
-    api.openapi = openapi
-
-
-def schema_ref(model: type[BaseModel]) -> dict[str, Any]:
-    ref = f"#/components/schemas/{model.__name__}"
-    return {"content": {"application/json": {"schema": {"$ref": ref}}}}

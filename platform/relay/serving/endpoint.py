@@ -1,0 +1,79 @@
+"""Where a running `relay serve` is, so that `relay deploy` can reach it from another shell.
+
+`relay serve` writes `<storage>/serving/<host>_<port>.json` once its endpoint answers and
+removes it when it stops: the Ray cluster it serves from (a cluster relay started has a GCS
+address nobody else knows), the Serve application's name, and the arguments it was started
+with (the replicas must be rebuilt from the same ones, or Serve would restart them). A record
+whose process is gone (killed with -9) is stale and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from relay import config
+
+
+@dataclass
+class Endpoint:
+    host: str
+    port: int
+    address: str  # the Ray cluster's GCS address
+    app_name: str
+    pid: int  # the relay serve process
+    args: dict[str, Any]  # its AppArgs
+    # Ray 2.60 turns token authentication on for a cluster `ray.init()` starts (RAY_AUTH_MODE
+    # in that process's environment; the token in ~/.ray/auth_token) and a driver joining it
+    # must be in the same mode, or its connection times out without a word about auth.
+    auth_mode: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def record_path(storage: str | None, host: str, port: int) -> Path:
+    return config.resolve_storage(storage) / "serving" / f"{host}_{port}.json"
+
+
+def write(storage: str | None, endpoint: Endpoint) -> Path:
+    path = record_path(storage, endpoint.host, endpoint.port)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(asdict(endpoint), indent=2))
+    temporary.replace(path)  # a reader sees the old record or the new one, never half
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def read(storage: str | None, host: str, port: int) -> Endpoint | None:
+    """The endpoint serving at host:port, or None (none recorded, or its process is gone)."""
+    path = record_path(storage, host, port)
+    try:
+        endpoint = Endpoint(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    return endpoint if _alive(endpoint.pid) else None
+
+
+def remove(storage: str | None, host: str, port: int, pid: int) -> None:
+    """Remove the record if it is still this process's."""
+    path = record_path(storage, host, port)
+    try:
+        if json.loads(path.read_text()).get("pid") == pid:
+            path.unlink()
+    except (OSError, ValueError):
+        pass

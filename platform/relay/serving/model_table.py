@@ -1,0 +1,98 @@
+"""Which models an endpoint serves: resolved on the driver, loaded and swapped in each replica.
+
+The table travels to the replicas as the deployment's `user_config` ({"models": [ModelInfo,
+...]}), not as constructor arguments. Serve applies a change of `user_config` alone in place:
+it calls each running replica's `reconfigure`, and the replica keeps answering meanwhile (it
+stays in the routing set: no restart, no drain). So a version swap (`relay deploy`) loads the
+new weights beside the old ones, then replaces the whole table in one assignment: a request
+runs start to finish on the version it found, and once every replica has swapped, only the new
+version answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+
+class ModelInfo(BaseModel):
+    """A resolved model. Resolved once, on the driver, so that every replica loads the same
+    checkpoint even if a newer version is registered meanwhile."""
+
+    name: str  # in URLs: /v1/models/{name}
+    reference: str  # e.g. "digits:3", a run id, or a checkpoint path
+    version: int | str
+    task: str
+    checkpoint: str
+
+
+def resolve(reference: str, storage: str | None, name: str | None = None) -> ModelInfo:
+    """Registry reference → checkpoint. Raises KeyError (no such model), TypeError (its task
+    cannot be served) or OSError (the checkpoint is unreadable)."""
+    from relay import checkpoint, config, registry
+    from relay.tasks import resolve_task_class
+
+    found = registry.resolve_model(config.resolve_storage(storage), reference)
+    task_name = checkpoint.read_meta(found.checkpoint)["config"]["task"]
+    if not resolve_task_class(task_name).servable():
+        raise TypeError(
+            f"task {task_name!r} cannot be served: it needs Instance and Prediction schemas and "
+            "a predict() method (see relay/tasks/base.py)"
+        )
+    version = found.version or {}
+    return ModelInfo(
+        name=name or version.get("model") or registry.default_model_name(task_name),
+        reference=found.reference,
+        version=version.get("version", found.reference),
+        task=task_name,
+        checkpoint=str(found.checkpoint),
+    )
+
+
+def user_config(models: list[ModelInfo]) -> dict[str, Any]:
+    return {"models": [info.model_dump(mode="json") for info in models]}
+
+
+def models_of(config: dict[str, Any]) -> list[ModelInfo]:
+    return [ModelInfo.model_validate(item) for item in config["models"]]
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """One model in a replica: its weights, its task (schemas, predict), what it has run."""
+
+    info: ModelInfo
+    task: Any
+    model: Any
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+    batcher: Any = None  # the AdaptiveBatcher for this model's forwards, set by the server
+
+    @property
+    def version(self) -> str:
+        return str(self.info.version)
+
+
+def load(info: ModelInfo) -> LoadedModel:
+    from relay.checkpoint import load_model
+
+    task, model = load_model(info.checkpoint)
+    return LoadedModel(info, task, model)
+
+
+async def load_table(
+    models: list[ModelInfo], current: dict[str, LoadedModel]
+) -> dict[str, LoadedModel]:
+    """The new table: models already loaded at the same checkpoint are kept (their batchers
+    and counters too), the others loaded in a thread, so the replica serves on meanwhile."""
+    table = {}
+    for info in models:
+        kept = current.get(info.name)
+        if kept is not None and kept.info == info:
+            table[info.name] = kept
+        else:
+            table[info.name] = await asyncio.to_thread(load, info)
+    return table
