@@ -147,7 +147,8 @@ def serve_load(f: dict[str, Any]) -> str:
         f"{rate(get(tiny, 'plain.32.rps'))} req/s (`throughput_ratio_c32` "
         f"**{ratio(f['throughput_ratio_c32'])}**, `p99_ratio_c32` {ratio(f['p99_ratio_c32'])}); "
         f"Python proxy {ratio(f['proxy_ratio_c32'])}; heavy model batched vs plain "
-        f"**{ratio(f['batched_throughput_ratio_c32'])}**"
+        f"**{ratio(f['batched_throughput_ratio_c32'])}**; version swaps under load: "
+        f"**{f['swap_failed_requests']}** failed of {f['swap_requests']:,}"
     )
 
 
@@ -167,7 +168,7 @@ def serve_load_block(results: dict[str, dict[str, Any]]) -> str:
         "| model | server | " + " | ".join(f"c={c}" for c in levels) + " |",
         "|---|---|" + "---|" * len(levels),
     ]
-    order = ("plain", "haproxy", "haproxy serve.batch", "proxy")
+    order = ("plain", "haproxy", "haproxy 2 models", "haproxy serve.batch", "proxy")
     for model in ("tiny", "heavy"):
         sides = f["levels"][model]
         for side in sorted(sides, key=lambda name: order.index(name) if name in order else 9):
@@ -181,6 +182,17 @@ def serve_load_block(results: dict[str, dict[str, Any]]) -> str:
                     else f"{rate(x['rps'])}, {x['p50_ms']:.1f} / {x['p99_ms']:.1f} ms"
                 )
             lines.append(f"| {model} | {side} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Version swaps under load (tiny model, HAProxy, c=32, `relay deploy` alternating "
+        f"1 → 2 → 1 in {len(f['swap_windows']['swap'])} windows of {setup['swap_seconds']} s, "
+        f"each beside a steady window): **{f['swap_failed_requests']}** failed requests of "
+        f"{f['swap_requests']:,} (steady windows: {f['steady_failed_requests']}); p99 "
+        f"{f['swap_p99_ms']:.1f} ms during a swap vs {f['steady_p99_ms']:.1f} ms steady "
+        f"(max {f['swap_max_ms']:.1f} vs {f['steady_max_ms']:.1f} ms); `relay deploy` took "
+        f"{f['deploy_s']:.1f} s (a new Ray driver, the redeploy, the check). A second model in "
+        f"the table: {ratio(f['two_models_ratio_c32'])}× the one-model throughput at c=32.",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,10 @@ with `task.predict` on one torch thread:
             One replica (0.5 CPU), adaptive batching (max_batch_size 32: a forward takes what is
             queued when the model frees, no wait), access log off.
   proxy     the same command with `--ingress proxy`: Serve's Python proxy in front.
+  haproxy 2 models
+            `relay serve digits:1 digits-b:1`: the same, with a second model in every replica's
+            table (relay/serving/model_table.py); the load goes to digits alone. What the
+            table costs a request.
   haproxy serve.batch
             `--batching serve`: Ray Serve's `@serve.batch` (5 ms wait after a batch's first
             instance) instead of relay's adaptive batcher (relay/serving/batching.py).
@@ -32,10 +36,17 @@ client for every side; its own CPU time is reported (the two cores are the serve
 server is started, measured at every level and stopped, side after side, in an order that
 alternates between repeats; per level the median over repeats (and min-max of requests/s).
 
+Version swaps under load (tiny model, HAProxy): `relay serve digits:1`, then per repeat two
+wrk windows of `--swap-seconds` at c=32 — one steady, one during which `relay deploy` (a
+separate process, as a user runs it) swaps to the other version, alternating 1 → 2 → 1 — in an
+order that alternates between repeats. Failed requests (socket errors and non-2xx) are counted
+in every window; p99 and max latency compare the swap window with the steady one.
+
 The last stdout line is one JSON object: throughput_ratio_c32 and p99_ratio_c32 (haproxy /
 plain, tiny), p50_gap_ms_c1 (haproxy − plain), proxy_ratio_c32 (proxy / plain),
-batched_throughput_ratio_c32 (heavy: relay batched / plain) and the same with @serve.batch,
-then every level's figures.
+two_models_ratio_c32 (haproxy 2 models / haproxy), batched_throughput_ratio_c32 (heavy: relay
+batched / plain) and the same with @serve.batch, swap_failed_requests, swap_p99_ratio (swap
+window / steady window) with the swap figures, then every level's figures.
 """
 
 import argparse
@@ -75,9 +86,9 @@ done = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format(
     '{"requests": %d, "duration_us": %d, "p50_us": %d, "p99_us": %d, ' ..
-    '"errors": %d, "non_2xx": %d}\\n',
+    '"max_us": %d, "errors": %d, "non_2xx": %d}\\n',
     summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
-    e.connect + e.read + e.write + e.timeout, e.status))
+    latency.max, e.connect + e.read + e.write + e.timeout, e.status))
 end
 """
 
@@ -87,7 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=int, default=6, help="measured seconds per level")
     parser.add_argument("--repeats", type=int, default=2, help="runs of every side")
     parser.add_argument(
-        "--only", choices=("tiny", "heavy"), help="one model only (no summary ratios)"
+        "--swap-seconds", type=int, default=25, help="each swap-phase window (covers a deploy)"
+    )
+    parser.add_argument(
+        "--only", choices=("tiny", "heavy", "swap"), help="one part only (no summary ratios)"
     )
     parser.add_argument("--plain", metavar="CHECKPOINT", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -185,7 +199,10 @@ RELAY_SIDES = {
     "haproxy": ["--ingress", "haproxy"],
     "haproxy serve.batch": ["--ingress", "haproxy", "--batching", "serve"],
     "proxy": ["--ingress", "proxy"],
+    "haproxy 2 models": ["--ingress", "haproxy"],
 }
+# Models each relay side serves (the load goes to the first).
+SIDE_MODELS = {"haproxy 2 models": [f"{MODEL}:1", f"{MODEL}-b:1"]}
 
 
 def start_side(side: str, storage: Path, checkpoint_dir: str, port: int) -> Server:
@@ -194,7 +211,8 @@ def start_side(side: str, storage: Path, checkpoint_dir: str, port: int) -> Serv
         server = Server(argv, ready_line=None)
         wait_until_answering(port)
         return server
-    argv = [sys.executable, "-m", "relay.cli", "serve", f"{MODEL}:1", "--storage", str(storage)]
+    models = SIDE_MODELS.get(side, [f"{MODEL}:1"])
+    argv = [sys.executable, "-m", "relay.cli", "serve", *models, "--storage", str(storage)]
     argv += ["--port", str(port), "--num-cpus", "0.5", *RELAY_SIDES[side]]
     return Server(argv, ready_line="curl ")
 
@@ -289,11 +307,78 @@ def compare(
     return {side: summarise(side_runs) for side, side_runs in runs.items()}
 
 
+# --- version swaps under load -----------------------------------------------------------------
+
+
+def window(port: int, seconds: int, script: Path, deploy_to: int | None, storage: Path) -> dict:
+    """One wrk window at c=32; with `deploy_to`, `relay deploy digits:N` runs in it (started
+    a few seconds in, after wrk has connected)."""
+    import threading
+
+    result: dict[str, Any] = {}
+    load = threading.Thread(target=lambda: result.update(wrk(port, 32, seconds, script)))
+    load.start()
+    deploy_s = None
+    if deploy_to is not None:
+        time.sleep(3)
+        argv = [sys.executable, "-m", "relay.cli", "deploy", f"{MODEL}:{deploy_to}"]
+        argv += ["--port", str(port), "--storage", str(storage)]
+        started = time.monotonic()
+        done = subprocess.run(argv, capture_output=True, text=True)
+        deploy_s = time.monotonic() - started
+        if done.returncode != 0:
+            raise RuntimeError(f"relay deploy failed:\n{done.stderr[-2000:]}")
+    load.join()
+    return {
+        "failed": result["errors"] + result["non_2xx"],
+        "requests": result["requests"],
+        "p99_ms": round(result["p99_us"] / 1000, 2),
+        "max_ms": round(result["max_us"] / 1000, 2),
+        "deploy_s": None if deploy_s is None else round(deploy_s, 2),
+    }
+
+
+def swaps(storage: Path, args, script: Path) -> dict[str, Any]:
+    port = free_port()
+    server = start_side("haproxy", storage, "", port)
+    steady, swapped = [], []
+    try:
+        wrk(port, 32, 1, script)  # warm-up
+        for repeat in range(args.repeats):
+            to = 2 if repeat % 2 == 0 else 1  # the version not being served
+            order = ("steady", "swap") if repeat % 2 == 0 else ("swap", "steady")
+            for kind in order:
+                deploy_to = to if kind == "swap" else None
+                figures = window(port, args.swap_seconds, script, deploy_to, storage)
+                (swapped if kind == "swap" else steady).append(figures)
+                print(f"swap phase {kind:<6} {figures}", flush=True)
+    finally:
+        server.stop()
+
+    def median(runs: list[dict], key: str) -> float:
+        return round(statistics.median(r[key] for r in runs), 2)
+
+    return {
+        "swap_failed_requests": sum(r["failed"] for r in swapped),
+        "swap_requests": sum(r["requests"] for r in swapped),
+        "steady_failed_requests": sum(r["failed"] for r in steady),
+        "swap_p99_ms": median(swapped, "p99_ms"),
+        "steady_p99_ms": median(steady, "p99_ms"),
+        "swap_max_ms": median(swapped, "max_ms"),
+        "steady_max_ms": median(steady, "max_ms"),
+        "deploy_s": median(swapped, "deploy_s"),
+        "swap_p99_ratio": round(median(swapped, "p99_ms") / median(steady, "p99_ms"), 3),
+        "windows": {"steady": steady, "swap": swapped},
+    }
+
+
 # --- set-up ----------------------------------------------------------------------------------
 
 
-def make_checkpoint(storage: Path, hidden: str | None = None) -> str:
-    """A digits model registered as digits:1 in `storage`."""
+def make_checkpoint(
+    storage: Path, hidden: str | None = None, seed: int = 0, name: str = MODEL
+) -> str:
+    """A digits model registered as the next version of `name` in `storage`."""
     import torch
 
     from relay import checkpoint, config, registry
@@ -301,13 +386,14 @@ def make_checkpoint(storage: Path, hidden: str | None = None) -> str:
 
     model_overrides = {"hidden": [int(w) for w in hidden.split(",")]} if hidden else {}
     cfg = config.from_dict({"task": MODEL, "model": model_overrides, "storage": str(storage)})
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = build_task(cfg.task, cfg.size, cfg.model).build_model()
-    directory = storage / "runs" / "bench" / "epoch_0000"
+    run_id = f"bench-{name}-{seed}"
+    directory = storage / "runs" / run_id / "epoch_0000"
     meta = {"epoch": 1, "metrics": {}, "config": cfg.model_dump(mode="json")}
     checkpoint.save(directory, model, meta=meta)
-    entry = {"checkpoint": str(directory), "run_id": "bench", "task": MODEL, "score": None}
-    registry.register_version(storage, MODEL, entry)
+    entry = {"checkpoint": str(directory), "run_id": run_id, "task": MODEL, "score": None}
+    registry.register_version(storage, name, entry)
     return str(directory)
 
 
@@ -333,18 +419,22 @@ def main(argv: list[str] | None = None) -> None:
         script = write_inputs(Path(tmp))
         tiny_storage, heavy_storage = Path(tmp, "tiny"), Path(tmp, "heavy")
         tiny_checkpoint = make_checkpoint(tiny_storage)
+        make_checkpoint(tiny_storage, name=f"{MODEL}-b")  # for the 2-model side
+        make_checkpoint(tiny_storage, seed=1)  # digits:2, for the swaps
         heavy_checkpoint = make_checkpoint(heavy_storage, HEAVY_HIDDEN)
-        tiny = heavy = None
+        tiny = heavy = swap = None
         if args.only in (None, "tiny"):
-            sides = ["plain", "haproxy", "proxy", "haproxy serve.batch"]
+            sides = ["plain", "haproxy", "proxy", "haproxy serve.batch", "haproxy 2 models"]
             tiny = compare("tiny", sides, tiny_storage, tiny_checkpoint, TINY_LEVELS, args, script)
         if args.only in (None, "heavy"):
             sides = ["plain", "haproxy", "haproxy serve.batch"]
             heavy = compare(
                 "heavy", sides, heavy_storage, heavy_checkpoint, HEAVY_LEVELS, args, script
             )
+        if args.only in (None, "swap"):
+            swap = swaps(tiny_storage, args, script)
     if args.only:
-        print(json.dumps({"levels": {"tiny": tiny, "heavy": heavy}}))
+        print(json.dumps({"levels": {"tiny": tiny, "heavy": heavy}, "swap": swap}))
         return
     plain, haproxy, proxy = tiny["plain"], tiny["haproxy"], tiny["proxy"]
     summary = {
@@ -352,6 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         "p99_ratio_c32": round(haproxy[32]["p99_ms"] / plain[32]["p99_ms"], 3),
         "p50_gap_ms_c1": round(haproxy[1]["p50_ms"] - plain[1]["p50_ms"], 2),
         "proxy_ratio_c32": round(proxy[32]["rps"] / plain[32]["rps"], 3),
+        "two_models_ratio_c32": round(tiny["haproxy 2 models"][32]["rps"] / haproxy[32]["rps"], 3),
         "batched_throughput_ratio_c32": round(
             heavy["haproxy"][32]["rps"] / heavy["plain"][32]["rps"], 3
         ),
@@ -359,10 +450,13 @@ def main(argv: list[str] | None = None) -> None:
         "serve_batch_throughput_ratio_c32": round(
             heavy["haproxy serve.batch"][32]["rps"] / heavy["plain"][32]["rps"], 3
         ),
+        **{key: value for key, value in swap.items() if key != "windows"},
+        "swap_windows": swap["windows"],
         "levels": {"tiny": tiny, "heavy": heavy},
         "setup": {
             "models": {"tiny": f"{MODEL} default size", "heavy": f"{MODEL} hidden {HEAVY_HIDDEN}"},
             "seconds_per_level": args.seconds,
+            "swap_seconds": args.swap_seconds,
             "repeats": args.repeats,
             "client": "wrk -t1, closed loop",
             "cpus": os.cpu_count(),

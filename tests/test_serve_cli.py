@@ -10,6 +10,7 @@ listen on (`ss`), HAProxy's own config file, the files it keeps, the processes o
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -330,6 +331,41 @@ def test_relay_deploy_swaps_the_version_under_load_with_no_failed_request(
     response = predict(base, {"instances": images(3)})
     expected = offline_predictions(storage, "digits:2", images(3))
     assert_matches(response.json()["predictions"], expected)
+
+
+def test_relay_tune_serve_swaps_the_sweeps_best_into_the_running_endpoint(
+    haproxy_server, storage, tmp_path
+):
+    """`relay tune SWEEP --serve --port P` with relay serve running at P: the sweep (two
+    one-epoch trials) registers its best as digits:3 and swaps it in, as relay deploy does."""
+    _, base, _ = haproxy_server
+    sweep = {
+        "name": "serve-after-tune",
+        "train": {"task": "digits", "size": "debug", "epochs": 1, "storage": str(storage)},
+        "search": {"optim.lr": {"grid": [3e-3, 1e-2]}},
+        "num_samples": 1,
+        "workers_per_trial": 1,
+        "max_concurrent_trials": 2,
+        "asha": {"enabled": False},
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(json.dumps(sweep))  # JSON is YAML
+    port = ("--port", base.rsplit(":", 1)[1])
+    tuned = subprocess.run(
+        [sys.executable, "-m", "relay.cli", "tune", str(path), "--json", "--serve", *port],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert tuned.returncode == 0, tuned.stdout[-3000:] + tuned.stderr[-3000:]
+    result = json.loads(next(line for line in tuned.stdout.splitlines() if line[:1] == "{"))
+    assert result["model"] == "digits:3" and len(result["trials"]) == 2
+    assert f"deployed digits:3 at {base}/v1/models/digits (version 2 → 3)" in tuned.stdout
+    meta = requests.get(f"{base}/v1/models/digits", timeout=30)
+    assert meta.json()["version"] == 3 and meta.headers["x-model-version"] == "3"
+    check_predictions(base, storage, "digits:3")
 
 
 def test_sigterm_leaves_nothing_running(haproxy_server):

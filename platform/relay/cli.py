@@ -67,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--resume", metavar="SWEEP_ID", help="continue an interrupted sweep")
     tune.add_argument("--storage", help="storage root for --resume (default: $RELAY_HOME, ~/relay)")
     tune.add_argument("--json", action="store_true", help="end with one JSON line of results")
+    tune.add_argument(
+        "--serve",
+        action="store_true",
+        help="then serve the sweep's best version at --host:--port: swapped into the relay "
+        "serve running there (as relay deploy), else served here until Ctrl-C (as relay serve)",
+    )
+    tune.add_argument("--host", default="127.0.0.1", help="with --serve (default: 127.0.0.1)")
+    tune.add_argument(
+        "--port", type=serving.port_number, default=8000, help="with --serve (default: 8000)"
+    )
     tune.add_argument("--verbose", action="store_true", help="show Ray's own logs")
 
     check = sub.add_parser("config", help="validate a config and print it fully resolved")
@@ -245,8 +255,26 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     _detach_from_ray()
     _write_report(storage, result.sweep)
     if args.json:
-        print(json.dumps(result.to_json_dict(), default=str))
-    return 0 if result.best else EXIT_FAILED
+        print(json.dumps(result.to_json_dict(), default=str), flush=True)
+    if not result.best:
+        return EXIT_FAILED
+    if args.serve:
+        return _serve_best(args, storage, result.model)
+    return 0
+
+
+def _serve_best(args: argparse.Namespace, storage: Path, model: str | None) -> int:
+    """`relay tune --serve`: the sweep's registered best version onto an endpoint — swapped
+    into the relay serve already at host:port, else served by this process."""
+    from relay.serving import endpoint
+
+    if model is None:
+        return _fail("--serve: the sweep registered no model version to serve", EXIT_FAILED)
+    at = {"refs": [model], "host": args.host, "port": args.port, "verbose": args.verbose}
+    if endpoint.read(str(storage), args.host, args.port) is not None:
+        return serving.cmd_deploy(argparse.Namespace(**at, storage=str(storage)))
+    flags = {field: None for field in serving.APP_FLAGS} | {"storage": str(storage)}
+    return serving.cmd_serve(argparse.Namespace(**at, **flags, ingress=None, address=None))
 
 
 def _detach_from_ray() -> None:

@@ -1,8 +1,13 @@
-"""Serving a registered model over HTTP with Ray Serve.
+"""Serving registered models over HTTP with Ray Serve.
 
-- app.py: the Serve application (FastAPI ingress, batched forwards) and its arguments;
-- web.py: the HTTP parts that know nothing of models (error shape, body limit, OpenAPI);
+- app.py: the Serve application (FastAPI ingress, KServe v1 and v2 routes) and its arguments;
+- model_table.py: which models an endpoint serves, resolved on the driver, swapped in place;
+- batching.py: the adaptive batcher;
+- open_inference.py: KServe v2 (Open Inference Protocol) tensors ↔ a task's schemas;
+- metrics.py: /metrics, summed over the replicas;
+- web.py: the HTTP parts that know nothing of models (error shape, body limit);
 - ingress.py: HAProxy or Serve's Python proxy in front of the replicas, and HAProxy's set-up;
 - haproxy_launch.py: starts HAProxy with its admin listeners on loopback;
-- command.py: `relay serve`.
+- endpoint.py: where a running `relay serve` is, for `relay deploy`;
+- command.py: `relay serve` and `relay deploy`.
 """

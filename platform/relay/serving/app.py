@@ -39,6 +39,7 @@ relay/serving/ingress.py's business; the application is the same for both.
 import asyncio
 import hashlib
 import json
+import math
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -256,17 +257,10 @@ class ModelServer:
             "uptime_s": round(time.time() - self.started, 3),
         }
 
-    def check_count(self, count: int, loc: str) -> JSONResponse | None:
-        if count > self.args.max_instances:
-            message = f"{count} instances; at most {self.args.max_instances} per request"
-            return error(413, message, [{"loc": loc, "msg": message, "type": "too_long"}])
-        return None
-
     async def predict(self, entry: LoadedModel, body: bytes) -> JSONResponse:
-        try:
-            payload = json.loads(body)
-        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, a 5000-digit number,
-            return error(400, f"malformed JSON: {exc}")  # nesting deeper than Python recurses
+        payload, malformed = parse_json(body)
+        if malformed:
+            return malformed
         if not isinstance(payload, dict) or not isinstance(payload.get("instances"), list):
             detail = [{"loc": "instances", "msg": "expected a list", "type": "list_type"}]
             return error(422, 'the body must be {"instances": [...]}', detail)
@@ -277,20 +271,23 @@ class ModelServer:
         if not raw:
             detail = [{"loc": "instances", "msg": "no instances", "type": "too_short"}]
             return error(422, "no instances", detail)
-        if too_many := self.check_count(len(raw), "instances"):
-            return too_many
+        if len(raw) > self.args.max_instances:
+            message = f"{len(raw)} instances; at most {self.args.max_instances} per request"
+            return error(413, message, [{"loc": "instances", "msg": message, "type": "too_long"}])
         try:
             instances = entry.task.validate_instances(raw)
         except ValidationError as exc:
             return error(422, "invalid instances", error_detail(exc, ("instances",)))
-        return JSONResponse({"predictions": await self.run(entry, instances)})
+        predictions = await self.run(entry, instances)
+        if (row := first_non_finite(predictions)) is not None:
+            return non_finite_answer(f"instances.{row}")
+        return JSONResponse({"predictions": predictions})
 
     async def infer(self, entry: LoadedModel, body: bytes) -> JSONResponse:
         """KServe v2: named tensors → the task's instances → the same forwards as v1."""
-        try:
-            payload = json.loads(body)
-        except (ValueError, RecursionError) as exc:
-            return error(400, f"malformed JSON: {exc}")
+        payload, malformed = parse_json(body)
+        if malformed:
+            return malformed
         schemas = entry.task.Instance, entry.task.Prediction
         try:
             rows = v2.instances_from_infer_request(payload, schemas[0], self.args.max_instances)
@@ -302,6 +299,8 @@ class ModelServer:
         except v2.InferError as exc:
             return error(exc.status, exc.message, exc.detail)
         predictions = await self.run(entry, instances)
+        if (row := first_non_finite(predictions)) is not None:
+            return non_finite_answer(f"inputs.*.{row}")
         return JSONResponse(
             v2.infer_response(
                 entry.info.name, entry.version, payload.get("id"), predictions, schemas[1], outputs
@@ -317,6 +316,37 @@ class ModelServer:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_http_app(self)
+
+
+def parse_json(body: bytes) -> tuple[Any, JSONResponse | None]:
+    """The body as JSON, or the 400 to answer. The routes parse bodies themselves, not
+    FastAPI, so that every failure gets relay's error shape."""
+    try:
+        return json.loads(body), None
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, a 5000-digit number,
+        return None, error(400, f"malformed JSON: {exc}")  # nesting deeper than Python recurses
+
+
+def first_non_finite(predictions: list[Any]) -> int | None:
+    """The index of the first prediction holding an infinite or NaN number, if any. A valid
+    input far outside what the model was trained on (a feature of 1e38 in a float32 model) can
+    overflow; JSON has no such numbers, and encoding one would fail as a 500."""
+
+    def finite(value: Any) -> bool:
+        if isinstance(value, float):
+            return math.isfinite(value)
+        if isinstance(value, dict):
+            return all(finite(v) for v in value.values())
+        if isinstance(value, list):
+            return all(finite(v) for v in value)
+        return True
+
+    return next((i for i, p in enumerate(predictions) if not finite(p)), None)
+
+
+def non_finite_answer(loc: str) -> JSONResponse:
+    message = "the model's output for this input is not finite (an input far out of range?)"
+    return error(422, message, [{"loc": loc, "msg": message, "type": "non_finite_output"}])
 
 
 # The model a path is about: /v1/models/{name}..., /v2/models/{name}...

@@ -46,7 +46,7 @@ APP_FLAGS: dict[str, tuple[type, str]] = {
 }
 
 
-def _port(text: str) -> int:
+def port_number(text: str) -> int:
     port = int(text)
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1-65535)")
@@ -62,7 +62,7 @@ APP_NAME = "relay"  # the Serve application relay serve runs
 
 def _add_endpoint_flags(parser: argparse.ArgumentParser, host_help: str) -> None:
     parser.add_argument("--host", default="127.0.0.1", help=host_help)
-    parser.add_argument("--port", type=_port, default=8000, help="HTTP port (default: 8000)")
+    parser.add_argument("--port", type=port_number, default=8000, help="HTTP port (default: 8000)")
 
 
 def add_parser(subparsers) -> None:
