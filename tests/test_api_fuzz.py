@@ -17,9 +17,9 @@ JSON everywhere but /metrics, every 4xx in relay's error shape `{"error": str, "
 success about a served model.
 
 Not checked, because the document does not claim them: Schemathesis' `status_code_conformance`
-(the 404 for an unknown model, and the 400 / 413 / 422 answers, are undocumented) and
-`positive_data_acceptance` (the request schemas allow what relay refuses: unknown top-level
-fields of a predict body, v2 tensors of any name).
+(predict and infer document their refusals as 4XX, but the `{name}` GET routes list FastAPI's
+own 422 and not relay's 404) and `positive_data_acceptance` (the request schemas allow what
+relay refuses: v2 tensors of any name, integral floats for strict integer fields).
 
 The document is used as served, with one narrowing: regression's `features` has no fixed
 length there (the task's schema serves every size), so the test pins it to the served

@@ -69,7 +69,7 @@ from relay.serving import metrics, model_table
 from relay.serving import open_inference as v2
 from relay.serving.batching import AdaptiveBatcher
 from relay.serving.model_table import LoadedModel, ModelInfo
-from relay.serving.web import BodyLimit, error, error_detail
+from relay.serving.web import BodyLimit, ErrorBody, error, error_detail
 
 MIB = 1 << 20
 # On every response about a model: the version that answered (the registry's number, or the
@@ -511,25 +511,28 @@ def openapi(api: FastAPI, server: ModelServer) -> dict[str, Any]:
     paths, components = schema["paths"], schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
     limits = Field(min_length=1, max_length=server.args.max_instances)
+    closed = ConfigDict(extra="forbid")  # predict() refuses unknown fields: say so
+    refusals = {"4XX": {"description": "refused: relay's error shape", **_json_ref(ErrorBody)}}
     for name, entry in sorted(server.table.items()):
         prefix = re.sub(r"\W", "_", name)
         request_model = create_model(
-            f"{prefix}_PredictRequest", instances=(list[entry.task.Instance], limits)
+            f"{prefix}_PredictRequest",
+            __config__=closed,
+            instances=(list[entry.task.Instance], limits),
         )
         response_model = create_model(
             f"{prefix}_PredictResponse", predictions=(list[entry.task.Prediction], ...)
         )
-        for model in (request_model, response_model):
-            spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            schemas.update(spec.pop("$defs", {}))
-            schemas[model.__name__] = spec
         about = f"{name} (version {entry.version}, task {entry.info.task})"
         paths[f"/v1/models/{name}:predict"] = {
             "post": {
                 "summary": f"Predict with {about}",
                 "operationId": f"predict_{prefix}",
                 "requestBody": {"required": True, **_json_ref(request_model)},
-                "responses": {"200": {"description": "Predictions", **_json_ref(response_model)}},
+                "responses": {
+                    "200": {"description": "Predictions", **_json_ref(response_model)},
+                    **refusals,
+                },
             }
         }
         paths[f"/v2/models/{name}/infer"] = {
@@ -537,14 +540,24 @@ def openapi(api: FastAPI, server: ModelServer) -> dict[str, Any]:
                 "summary": f"Infer with {about}: the tensors GET /v2/models/{name} names",
                 "operationId": f"infer_{prefix}",
                 "requestBody": {"required": True, **_json_ref(v2.InferRequest)},
-                "responses": {"200": {"description": "Outputs", **_json_ref(v2.InferResponse)}},
+                "responses": {
+                    "200": {"description": "Outputs", **_json_ref(v2.InferResponse)},
+                    **refusals,
+                },
             }
         }
-    for model in (v2.InferRequest, v2.InferResponse):
-        spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        schemas.update(spec.pop("$defs", {}))
-        schemas[model.__name__] = spec
+        for model in (request_model, response_model):
+            add_schema(schemas, model)
+    for model in (v2.InferRequest, v2.InferResponse, ErrorBody):
+        add_schema(schemas, model)
     return schema
+
+
+def add_schema(schemas: dict[str, Any], model: type[BaseModel]) -> None:
+    """`model` (and the models it nests) into the OpenAPI components."""
+    spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(spec.pop("$defs", {}))
+    schemas[model.__name__] = spec
 
 
 def _json_ref(model: type[BaseModel]) -> dict[str, Any]:

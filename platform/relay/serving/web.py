@@ -6,7 +6,20 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+
+class ErrorItem(BaseModel):
+    loc: str
+    msg: str
+    type: str
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx and 5xx relay answers (for the OpenAPI document; `error` builds them)."""
+
+    error: str
+    detail: list[ErrorItem] | None = None
 
 
 def error(status: int, message: str, detail: list[dict[str, Any]] | None = None) -> JSONResponse:
