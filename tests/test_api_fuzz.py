@@ -53,8 +53,7 @@ from schemathesis.specs.openapi.checks import (
     negative_data_rejection,
     response_schema_conformance,
 )
-from support import free_port
-from test_serve import make_version
+from test_serve import make_version, serving
 
 from relay import checkpoint, registry
 
@@ -95,24 +94,15 @@ def storage(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def base_url(ray_cluster, storage):
-    from ray import serve
-
-    from relay.serving.app import AppArgs, app
-
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = AppArgs(
-            model=",".join(f"{name}:best" for name in MODELS),
-            storage=str(storage),
-            num_cpus=0.5,
-            max_instances=8,
-            max_body_bytes=16_384,
-        )
-        serve.run(app(args), name="test-api-fuzz", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    with serving(
+        "test-api-fuzz",
+        model=",".join(f"{name}:best" for name in MODELS),
+        storage=str(storage),
+        num_cpus=0.5,
+        max_instances=8,
+        max_body_bytes=16_384,
+    ) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ tests train on the same cluster and need its CPUs.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import re
@@ -96,8 +97,10 @@ def storage(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def base_url(ray_cluster, storage):
+@contextlib.contextmanager
+def serving(app_name: str, **app_args):
+    """Serve on a free loopback port with relay's app (AppArgs fields as keywords) at the route
+    prefix "/"; its base URL. Serve is shut down after: later tests need the CPUs."""
     from ray import serve
 
     from relay.serving.app import AppArgs, app
@@ -105,19 +108,25 @@ def base_url(ray_cluster, storage):
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = AppArgs(
-            model="digits:best",
-            storage=str(storage),
-            num_cpus=0.5,
-            # A generous wait, so requests sent together surely meet in one batch.
-            batch_wait_timeout_s=0.05,
-            max_instances=MAX_INSTANCES,
-            max_body_bytes=MAX_BODY_BYTES,
-        )
-        serve.run(app(args), name="test-digits", route_prefix="/")
+        serve.run(app(AppArgs(**app_args)), name=app_name, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(ray_cluster, storage):
+    with serving(
+        "test-digits",
+        model="digits:best",
+        storage=str(storage),
+        num_cpus=0.5,
+        # A generous wait, so requests sent together surely meet in one batch.
+        batch_wait_timeout_s=0.05,
+        max_instances=MAX_INSTANCES,
+        max_body_bytes=MAX_BODY_BYTES,
+    ) as url:
+        yield url
 
 
 def predict(base_url: str, body, name: str = "digits", **kwargs) -> requests.Response:
