@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,56 @@ def assert_still_serving(base_url: str, storage: Path) -> None:
     assert_matches(
         response.json()["predictions"], offline_predictions(storage, "digits:best", images(1, 7))
     )
+
+
+class Load:
+    """Closed-loop clients posting one image each until stopped; every answer recorded as
+    (time sent, status or exception name, x-model-version)."""
+
+    def __init__(self, base: str, clients: int = 4) -> None:
+        self.base, self.answers, self.stop = base, [], threading.Event()
+        self.threads = [threading.Thread(target=self.client) for _ in range(clients)]
+
+    def client(self) -> None:
+        with requests.Session() as session:
+            while not self.stop.is_set():
+                sent = time.monotonic()
+                try:
+                    response = session.post(
+                        f"{self.base}/v1/models/digits:predict",
+                        json={"instances": images(1)},
+                        timeout=TIMEOUT,  # a hang fails
+                    )
+                    version = response.headers.get("x-model-version")
+                    self.answers.append((sent, response.status_code, version))
+                except requests.RequestException as exc:
+                    self.answers.append((sent, type(exc).__name__, None))
+
+    def __enter__(self) -> Load:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join()
+
+    def wait_for(self, count: int, after: float = 0.0, timeout_s: float = 60.0) -> None:
+        """Until `count` answers to requests sent after `after` are in."""
+        deadline = time.monotonic() + timeout_s
+        while sum(sent > after for sent, _, _ in self.answers) < count:
+            assert time.monotonic() < deadline, f"only {len(self.answers)}: {self.timeline()}"
+            time.sleep(0.05)
+
+    def timeline(self) -> dict[int, Counter]:
+        """Per second since the first request: how many answers of each status (for a
+        failure's message)."""
+        start = min(sent for sent, _, _ in self.answers)
+        seconds: dict[int, Counter] = {}
+        for sent, status, _ in self.answers:
+            seconds.setdefault(int(sent - start), Counter())[status] += 1
+        return seconds
 
 
 # --- the happy path ----------------------------------------------------------------------------
@@ -522,37 +573,12 @@ def test_a_version_swap_under_load_fails_no_request(ray_cluster, base_url, stora
     serve.run(build([first], args), name="swap", route_prefix="/swap")
     swap = f"{base_url}/swap"
     replica = requests.get(f"{swap}/v1/models/digits/stats", timeout=TIMEOUT).json()["replica"]
-    answers: list = []
-    stop = threading.Event()
-
-    def client() -> None:
-        with requests.Session() as session:
-            while not stop.is_set():
-                sent = time.monotonic()
-                try:
-                    r = session.post(
-                        f"{swap}/v1/models/digits:predict",
-                        json={"instances": images(1)},
-                        timeout=TIMEOUT,
-                    )
-                    answers.append((sent, r.status_code, r.headers.get("x-model-version")))
-                except requests.RequestException as exc:
-                    answers.append((sent, type(exc).__name__, None))
-
-    threads = [threading.Thread(target=client) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    try:
-        while len(answers) < 50:
-            stop.wait(0.05)
+    with Load(swap) as load:
+        load.wait_for(50)
         serve.run(build([second], args), name="swap", route_prefix="/swap")
         swapped = time.monotonic()
-        while sum(sent > swapped for sent, _, _ in answers) < 50:
-            stop.wait(0.05)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join()
+        load.wait_for(50, after=swapped)
+    answers = load.answers
     failed = [answer for answer in answers if answer[1] != 200]
     assert not failed and len(answers) >= 100, failed[:5]
     assert "1" in {version for sent, _, version in answers if sent < swapped}

@@ -17,9 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -30,6 +28,7 @@ from test_serve import (
     HUGE_BODIES,
     MAX_BODY_BYTES,
     MAX_INSTANCES,
+    Load,
     assert_matches,
     assert_still_serving,
     check_bad_request,
@@ -226,56 +225,6 @@ def test_a_huge_body_through_haproxy_gets_its_413(haproxy_server, storage, case)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
     assert b"\r\nx-model-version: 1\r\n" in answer.lower(), answer[:300]
     assert_still_serving(base, storage)
-
-
-class Load:
-    """Closed-loop clients posting one image each until stopped; every answer recorded as
-    (time sent, status or exception name, x-model-version)."""
-
-    def __init__(self, base: str, clients: int = 4) -> None:
-        self.base, self.answers, self.stop = base, [], threading.Event()
-        self.threads = [threading.Thread(target=self.client) for _ in range(clients)]
-
-    def client(self) -> None:
-        with requests.Session() as session:
-            while not self.stop.is_set():
-                sent = time.monotonic()
-                try:
-                    response = session.post(
-                        f"{self.base}/v1/models/digits:predict",
-                        json={"instances": images(1)},
-                        timeout=30,  # a hang fails
-                    )
-                    version = response.headers.get("x-model-version")
-                    self.answers.append((sent, response.status_code, version))
-                except requests.RequestException as exc:
-                    self.answers.append((sent, type(exc).__name__, None))
-
-    def __enter__(self) -> Load:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join()
-
-    def wait_for(self, count: int, after: float = 0.0, timeout_s: float = 60.0) -> None:
-        """Until `count` answers to requests sent after `after` are in."""
-        deadline = time.monotonic() + timeout_s
-        while sum(sent > after for sent, _, _ in self.answers) < count:
-            assert time.monotonic() < deadline, f"only {len(self.answers)}: {self.timeline()}"
-            time.sleep(0.05)
-
-    def timeline(self) -> dict[int, Counter]:
-        """Per second since the first request: how many answers of each status (for a
-        failure's message)."""
-        start = min(sent for sent, _, _ in self.answers)
-        seconds: dict[int, Counter] = {}
-        for sent, status, _ in self.answers:
-            seconds.setdefault(int(sent - start), Counter())[status] += 1
-        return seconds
 
 
 def replica_pids(server: subprocess.Popen) -> list[int]:

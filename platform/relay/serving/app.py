@@ -279,9 +279,7 @@ class ModelServer:
         except ValidationError as exc:
             return error(422, "invalid instances", error_detail(exc, ("instances",)))
         predictions = await self.run(entry, instances)
-        if (row := first_non_finite(predictions)) is not None:
-            return non_finite_answer(f"instances.{row}")
-        return JSONResponse({"predictions": predictions})
+        return json_or_non_finite({"predictions": predictions}, predictions, "instances")
 
     async def infer(self, entry: LoadedModel, body: bytes) -> JSONResponse:
         """KServe v2: named tensors → the task's instances → the same forwards as v1."""
@@ -299,13 +297,10 @@ class ModelServer:
         except v2.InferError as exc:
             return error(exc.status, exc.message, exc.detail)
         predictions = await self.run(entry, instances)
-        if (row := first_non_finite(predictions)) is not None:
-            return non_finite_answer(f"inputs.*.{row}")
-        return JSONResponse(
-            v2.infer_response(
-                entry.info.name, entry.version, payload.get("id"), predictions, schemas[1], outputs
-            )
+        body = v2.infer_response(
+            entry.info.name, entry.version, payload.get("id"), predictions, schemas[1], outputs
         )
+        return json_or_non_finite(body, predictions, "inputs.*")
 
     async def scrape(self) -> bytes:
         """/metrics: this replica's counts, live, and every other replica's last push."""
@@ -327,26 +322,30 @@ def parse_json(body: bytes) -> tuple[Any, JSONResponse | None]:
         return None, error(400, f"malformed JSON: {exc}")  # nesting deeper than Python recurses
 
 
-def first_non_finite(predictions: list[Any]) -> int | None:
-    """The index of the first prediction holding an infinite or NaN number, if any. A valid
-    input far outside what the model was trained on (a feature of 1e38 in a float32 model) can
-    overflow; JSON has no such numbers, and encoding one would fail as a 500."""
-
-    def finite(value: Any) -> bool:
-        if isinstance(value, float):
-            return math.isfinite(value)
-        if isinstance(value, dict):
-            return all(finite(v) for v in value.values())
-        if isinstance(value, list):
-            return all(finite(v) for v in value)
-        return True
-
-    return next((i for i, p in enumerate(predictions) if not finite(p)), None)
-
-
-def non_finite_answer(loc: str) -> JSONResponse:
+def json_or_non_finite(body: Any, predictions: list[Any], loc: str) -> JSONResponse:
+    """`body` as JSON — or, when a prediction holds an infinite or NaN number, which JSON cannot
+    encode, a 422 naming its instance (`loc`.index). A valid input far outside what the model
+    was trained on (a feature of 1e38 in a float32 model) can overflow; encoding it would fail
+    as a 500. Looked for only when encoding fails: the usual answer pays nothing."""
+    try:
+        return JSONResponse(body)
+    except ValueError:  # "Out of range float values are not JSON compliant"
+        row = next((i for i, p in enumerate(predictions) if not _finite(p)), None)
+        if row is None:  # some other failure: the 500 it is
+            raise
     message = "the model's output for this input is not finite (an input far out of range?)"
-    return error(422, message, [{"loc": loc, "msg": message, "type": "non_finite_output"}])
+    detail = [{"loc": f"{loc}.{row}", "msg": message, "type": "non_finite_output"}]
+    return error(422, message, detail)
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    return True
 
 
 # The model a path is about: /v1/models/{name}..., /v2/models/{name}...
@@ -361,34 +360,48 @@ def model_named_in(scope) -> str | None:
     return match.group(1) if match else None
 
 
-class VersionHeader:
-    """Pure ASGI middleware: `x-model-version` on every response about a served model that
-    lacks it (routes set it themselves, from the version they ran; this covers the answers
-    that come before a route, e.g. a 413 for a body over the limit)."""
+class ModelResponses:
+    """Pure ASGI middleware, outside the body limit: for each request about a model, the path
+    parsed once to
+    - put `x-model-version` on a response that lacks it (routes set it themselves, from the
+      version they ran; this covers answers that come before a route, e.g. a 413 for a body over
+      the limit; with one model served, every response is about it);
+    - time it and count its status in the replica's metrics, under the version that answered —
+      for served names only, so a client cannot make up label values."""
 
     def __init__(self, app, server: ModelServer) -> None:
         self.app, self.server = app, server
 
-    def version_for(self, scope) -> str | None:
-        if (name := model_named_in(scope)) and (entry := self.server.entry(name)) is not None:
-            return entry.version
-        if len(self.server.table) == 1:  # one model: whatever the path, it is the one
-            return next(iter(self.server.table.values())).version
-        return None
-
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or (version := self.version_for(scope)) is None:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        header = (VERSION_HEADER.encode(), version.encode())
+        table = self.server.table
+        name = model_named_in(scope)
+        entry = table.get(name) if name else None
+        if entry is None and len(table) == 1:
+            entry = next(iter(table.values()))
+        if entry is None:
+            return await self.app(scope, receive, send)
+        counted = name in table  # not /healthz, /docs, or an unknown name
+        default = (VERSION_HEADER.encode(), entry.version.encode())
+        start, status, version = time.perf_counter(), 500, entry.version
 
-        async def with_version(message) -> None:
+        async def noting(message) -> None:
+            nonlocal status, version
             if message["type"] == "http.response.start":
-                headers = list(message.get("headers", []))
-                if all(key != header[0] for key, _ in headers):
-                    message = {**message, "headers": [*headers, header]}
+                status, headers = message["status"], message.get("headers", [])
+                given = next((v for k, v in headers if k == default[0]), None)
+                if given is None:
+                    message = {**message, "headers": [*headers, default]}
+                else:
+                    version = given.decode()
             await send(message)
 
-        await self.app(scope, receive, with_version)
+        try:
+            await self.app(scope, receive, noting)
+        finally:
+            if counted:
+                self.server.metrics.request(name, version, status, time.perf_counter() - start)
 
 
 def answered_by(entry: LoadedModel, response: JSONResponse) -> JSONResponse:
@@ -407,20 +420,8 @@ def build_http_app(server: ModelServer) -> FastAPI:
         redoc_url=None,
     )
     api.add_middleware(BodyLimit, max_bytes=server.args.max_body_bytes)
-    # Added after the body limit, so outside it: its 413s carry the version too.
-    api.add_middleware(VersionHeader, server=server)
-
-    def counted_model(scope) -> str | None:
-        name = model_named_in(scope)
-        return name if name and server.entry(name) else None
-
-    # Outermost: it reads the version header the layer inside adds.
-    api.add_middleware(
-        metrics.RequestTimer,
-        metrics=server.metrics,
-        model_of=counted_model,
-        version_header=VERSION_HEADER,
-    )
+    # Added after the body limit, so outside it: its 413s carry the version and are counted.
+    api.add_middleware(ModelResponses, server=server)
     api.openapi = lambda: openapi(api, server)
 
     @api.exception_handler(StarletteHTTPException)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import time
 from collections import defaultdict
 from typing import Any
 
@@ -139,32 +138,3 @@ def render(snapshots: list[dict[str, list]]) -> bytes:
             return families
 
     return generate_latest(Collected())
-
-
-class RequestTimer:
-    """Pure ASGI middleware: times each request to a served model and counts its status, under
-    the version that answered (the response's `version_header`). `model_of(scope)` names the
-    served model a request is about, or None (health checks, docs, unknown names: not counted,
-    so a client cannot make up label values)."""
-
-    def __init__(self, app, metrics: ReplicaMetrics, model_of, version_header: str) -> None:
-        self.app, self.metrics, self.model_of = app, metrics, model_of
-        self.version_header = version_header.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or (model := self.model_of(scope)) is None:
-            return await self.app(scope, receive, send)
-        start, status, version = time.perf_counter(), 500, ""
-
-        async def noting_status(message) -> None:
-            nonlocal status, version
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                headers = dict(message.get("headers", []))
-                version = headers.get(self.version_header, b"").decode()
-            await send(message)
-
-        try:
-            await self.app(scope, receive, noting_status)
-        finally:
-            self.metrics.request(model, version, status, time.perf_counter() - start)
