@@ -184,11 +184,12 @@ class Load:
         for thread in self.threads:
             thread.join()
 
-    def wait_for(self, count: int, after: float = 0.0, timeout_s: float = 60.0) -> None:
+    def wait_for(self, count: int, after: float = 0.0, timeout_s: float = 120.0) -> None:
         """Until `count` answers to requests sent after `after` are in."""
         deadline = time.monotonic() + timeout_s
         while sum(sent > after for sent, _, _ in self.answers) < count:
-            assert time.monotonic() < deadline, f"only {len(self.answers)}: {self.timeline()}"
+            answered = len(self.answers)
+            assert time.monotonic() < deadline, f"{answered} answers in all: {self.timeline()}"
             time.sleep(0.05)
 
     def timeline(self) -> dict[int, Counter]:

@@ -243,13 +243,13 @@ def test_a_killed_replica_of_two_fails_almost_no_request(haproxy_server, storage
     replicas = replica_pids(server)
     assert len(replicas) == 2, replicas
     with Load(base) as load:
-        load.wait_for(200)
+        load.wait_for(100)
         os.kill(replicas[0], signal.SIGKILL)
         killed = time.monotonic()
-        load.wait_for(1000, after=killed)
-        while time.monotonic() < killed + 10:
-            time.sleep(0.1)
-        load.wait_for(100, after=killed + 10)
+        # Load for 20 s after the kill, however fast this machine answers (a count of answers
+        # took over a minute on a slow CI machine), then some answers sent 10 s after it.
+        time.sleep(20)
+        load.wait_for(50, after=killed + 10)
     answers = load.answers
     failed = [(round(sent - killed, 2), status) for sent, status, _ in answers if status != 200]
     summary = (len(failed), len(answers), failed, load.timeline())
