@@ -237,8 +237,8 @@ def replica_pids(server: subprocess.Popen) -> list[int]:
 
 def test_a_killed_replica_of_two_fails_almost_no_request(haproxy_server, storage):
     """SIGKILL one of the two replicas under continuous load: at most 0.1% of the requests
-    fail (the issue's bound; or the few in flight on the killed replica, if more), nothing
-    hangs, and 10 s after the kill every request is answered normally."""
+    fail (the issue's bound), nothing hangs, and 10 s after the kill every request is answered
+    normally."""
     server, base, _ = haproxy_server
     replicas = replica_pids(server)
     assert len(replicas) == 2, replicas
@@ -253,9 +253,10 @@ def test_a_killed_replica_of_two_fails_almost_no_request(haproxy_server, storage
     answers = load.answers
     failed = [(round(sent - killed, 2), status) for sent, status, _ in answers if status != 200]
     summary = (len(failed), len(answers), failed, load.timeline())
-    # A request the killed replica was working on is lost (HAProxy does not resend a POST that
-    # reached a server): at most one per client. Beyond those, the issue's bound of 0.1%.
-    assert len(failed) <= max(0.001 * len(answers), len(load.threads)), summary
+    # The requests the killed replica was working on are sent again to the other one (relay's
+    # `retry-on empty-response`; here 0 failed in 3 runs with it, 1 in 2 runs without). The
+    # test's few hundred requests cannot resolve 0.1%, so one failure is allowed beside it.
+    assert len(failed) <= max(1, 0.001 * len(answers)), summary
     assert not [a for a in failed if a[0] > 10], summary
     deadline = time.monotonic() + 60
     while len(replica_pids(server)) < 2:  # Serve replaces it; HAProxy adds it when healthy
@@ -383,9 +384,10 @@ def test_two_models_on_one_replica_and_a_kill_costs_json_errors_never_a_hang(
             try:
                 response = predict(base, {"instances": images(1)})  # times out on a hang
             except requests.ConnectionError:
-                # Known gap: HAProxy keeps idle connections to the replica (`http-reuse
-                # always`) and Ray's config retries only failed connects, so the request it
-                # sends on such a connection to the killed replica is dropped unanswered.
+                # Known gap: with the only replica killed, the next request is closed
+                # unanswered ~70 ms after the kill, `retry-on empty-response` or not (HAProxy
+                # keeps idle connections to the replica, `http-reuse always`; why its retry
+                # does not take this one is not found out).
                 statuses.append("dropped")
                 continue
             statuses.append(response.status_code)

@@ -25,7 +25,10 @@ environment lacks it, so an operator's own value wins):
 - one HAProxy thread (Serve's default is 4, more than this kind of machine has cores to give a
   proxy besides the replicas) and no per-request log parsing in the manager actor
   (`RAY_SERVE_HAPROXY_METRICS_ENABLED=0`);
-- a replica leaving (version swap, scale-down, shutdown) drains for `DRAIN_S` rather than 30 s.
+- a replica leaving (version swap, scale-down, shutdown) drains for `DRAIN_S` rather than 30 s;
+- a request whose replica closed the connection without an answer (it was killed, or crashed,
+  with the request in flight) is sent again to another replica (`RETRY_ON`); Serve retries only
+  connection failures, since a POST is not in general safe to send twice — a prediction is.
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ DESCRIPTIONS = {
 # it from its config at once and health-checks every 250 ms while a server is changing state.
 DRAIN_S = "2"
 HAPROXY_THREADS = "1"
+# HAProxy's L7 retries: `empty-response` is a connection closed before any byte of an answer,
+# so the replica died before answering and nothing of it reached the client. HAProxy keeps a
+# copy of each request to resend (one that does not fit its 16 KiB buffer is not retried), and
+# `option redispatch 1` in Serve's template sends the retry to another server.
+RETRY_ON = "conn-failure empty-response"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -122,6 +130,7 @@ def serve_environment(ingress: str) -> ServeSetup:
         "RAY_SERVE_HAPROXY_NBTHREAD": HAPROXY_THREADS,
         "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": DRAIN_S,
+        "RAY_SERVE_HAPROXY_RETRY_ON": RETRY_ON,
     }
     return ServeSetup(env, directory)
 
