@@ -324,12 +324,44 @@ def test_relay_tune_serve_swaps_the_sweeps_best_into_the_running_endpoint(
         timeout=400,
     )
     assert tuned.returncode == 0, tuned.stdout[-3000:] + tuned.stderr[-3000:]
-    result = json.loads(next(line for line in tuned.stdout.splitlines() if line[:1] == "{"))
+    result = json.loads(tuned.stdout.splitlines()[-1])  # --json: the last line, serving or not
     assert result["model"] == "digits:3" and len(result["trials"]) == 2
-    assert f"deployed digits:3 at {base}/v1/models/digits (version 2 → 3)" in tuned.stdout
+    assert f"deployed digits:3 at {base}/v1/models/digits (version 2 → 3)" in tuned.stderr
     meta = requests.get(f"{base}/v1/models/digits", timeout=30)
     assert meta.json()["version"] == 3 and meta.headers["x-model-version"] == "3"
     check_predictions(base, storage, "digits:3")
+
+
+def test_two_relay_deploys_at_once_both_land(haproxy_server, installed, storage, tmp_path):
+    """Two `relay deploy` started together, each adding a model: the second waits for the
+    first (and says so) rather than starting from the same table and undoing its change."""
+    _, base, _ = haproxy_server
+    names = ("digits-a", "digits-b")
+    for name in names:
+        make_version(storage, "digits", steps=2, model_name=name)
+    port, storage_at = base.rsplit(":", 1)[1], ("--storage", str(storage))
+    deploys = [
+        subprocess.Popen(
+            [sys.executable, "-m", "relay.cli", "deploy", name, "--port", port, *storage_at],
+            cwd=tmp_path,
+            env=subprocess_env(PYTHONPATH=str(installed)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in names
+    ]
+    outputs = [deploy.communicate(timeout=240) for deploy in deploys]
+    assert [deploy.returncode for deploy in deploys] == [0, 0], outputs
+    for name, (stdout, _) in zip(names, outputs, strict=True):
+        assert f"deployed {name}:1 at {base}/v1/models/{name} (added)" in stdout
+    assert sum(f"waiting for another relay deploy to 127.0.0.1:{port}" in err for _, err in outputs)
+    served = requests.get(f"{base}/v1/models", timeout=30).json()["models"]
+    assert {"digits", *names} <= {model["name"] for model in served}, served
+    for name in names:
+        response = predict(base, {"instances": images(3)}, name=name)
+        expected = offline_predictions(storage, f"{name}:1", images(3))
+        assert_matches(response.json()["predictions"], expected)
 
 
 def test_sigterm_leaves_nothing_running(haproxy_server):

@@ -259,6 +259,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if not result.best:
         return EXIT_FAILED
     if args.serve:
+        if args.json:  # the JSON stays stdout's last line; what serving says goes to stderr
+            with contextlib.redirect_stdout(sys.stderr):
+                return _serve_best(args, storage, result.model)
         return _serve_best(args, storage, result.model)
     return 0
 

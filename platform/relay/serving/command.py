@@ -272,8 +272,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if found.auth_mode:
         os.environ.setdefault("RAY_AUTH_MODE", found.auth_mode)
 
-    from relay.serving.app import AppArgs, build
-    from relay.serving.model_table import ModelInfo
+    from relay.serving.app import AppArgs
 
     served_args = AppArgs.model_validate(found.args)
     new_args, problem = _app_args(args.refs, served_args.replica_args().model_dump())
@@ -283,6 +282,14 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     new, problem = _resolve(new_args)
     if problem:
         return _fail(problem, EXIT_USAGE)
+    with endpoint.changing(args.storage, args.host, args.port):
+        return _swap_in(new, served_args, found, args.verbose)
+
+
+def _swap_in(new: list, served_args, found: endpoint.Endpoint, verbose: bool) -> int:
+    """Replace or add the models `new` in the endpoint's table; the replicas reconfigure."""
+    from relay.serving.model_table import ModelInfo
+
     try:  # what the endpoint serves now, as it says itself
         current = [
             ModelInfo.model_validate({k: m[k] for k in ModelInfo.model_fields})
@@ -300,9 +307,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from ray import serve
 
     from relay import cluster
+    from relay.serving.app import build
 
     try:
-        cluster.connect(verbose=args.verbose)
+        cluster.connect(verbose=verbose)
         # Returns once every replica runs the new table (Serve's application status).
         serve.run(build(models, served_args), name=found.app_name, route_prefix="/")
         for info in new:

@@ -9,8 +9,12 @@ whose process is gone (killed with -9) is stale and ignored.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -77,3 +81,20 @@ def remove(storage: str | None, host: str, port: int, pid: int) -> None:
             path.unlink()
     except (OSError, ValueError):
         pass
+
+
+@contextmanager
+def changing(storage: str | None, host: str, port: int) -> Iterator[None]:
+    """Held by a `relay deploy` from reading the endpoint's model table until the new table
+    is in: two deploys at once would each start from the same table, and the later would undo
+    the earlier's change. A lock file next to the record (the kernel releases it if the
+    process dies); the waiting one says why it waits."""
+    path = record_path(storage, host, port).with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"relay: waiting for another relay deploy to {host}:{port}", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
