@@ -16,14 +16,15 @@ JSON everywhere but /metrics, every 4xx in relay's error shape `{"error": str, "
 [{"loc": str, "msg": str, "type": str}]}` (app.py's docstring), `x-model-version` on each
 success about a served model.
 
-Not checked, because the document does not claim them: Schemathesis' `status_code_conformance`
-(predict and infer document their refusals as 4XX, but the `{name}` GET routes list FastAPI's
-own 422 and not relay's 404) and `positive_data_acceptance` (the request schemas allow what
-relay refuses: v2 tensors of any name, integral floats for strict integer fields).
+Every status must be one the document lists for its operation (Schemathesis'
+`status_code_conformance`: predict and infer document their refusals as 4XX, the `{name}`
+routes relay's 404). Not checked, because the document does not claim it:
+`positive_data_acceptance` (the request schemas allow what relay refuses: v2 tensors of any
+name, integral floats for strict integer fields).
 
-The document is used as served, with one narrowing: regression's `features` has no fixed
-length there (the task's schema serves every size), so the test pins it to the served
-model's width; otherwise hardly any schema-valid regression instance would reach the model.
+The document is used as served: it must say each model's own shapes, e.g. regression's
+`features` as long as the served model is wide (otherwise hardly any schema-valid regression
+instance would reach the model).
 
 The volume is counted, not assumed: each request the server answered, per operation and
 status; the test fails below MIN_REQUESTS. (One test with an explicit loop rather than
@@ -52,6 +53,7 @@ from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     negative_data_rejection,
     response_schema_conformance,
+    status_code_conformance,
 )
 from test_serve import make_version, serving
 
@@ -121,9 +123,9 @@ def session():
 def api_schema(base_url, storage, session):
     document = session.get(f"{base_url}/openapi.json", timeout=TIMEOUT).json()
     task, _ = checkpoint.load_model(registry.resolve_model(storage, "regression:best").checkpoint)
-    features = document["components"]["schemas"]["RegressionInstance"]["properties"]["features"]
-    assert "maxItems" not in features, features  # documented now: drop the narrowing
-    features["minItems"] = features["maxItems"] = task.hp.features
+    width = task.hp.features
+    features = document["components"]["schemas"][f"RegressionInstance{width}"]["properties"]
+    assert features["features"]["minItems"] == features["features"]["maxItems"] == width
     # The config is explicit, so no schemathesis.toml found on the way up applies. Invalid data
     # must get one of relay's refusals (413: more instances than max_instances); a 5xx is
     # not_a_server_error's to report.
@@ -162,6 +164,7 @@ def relay_json_answers(ctx, response, case) -> None:
 
 CHECKS = [
     not_a_server_error,
+    status_code_conformance,
     content_type_conformance,
     response_schema_conformance,
     negative_data_rejection,

@@ -71,6 +71,9 @@ def test_specs_of_the_other_tasks():
     assert specs_by_name(resolve_task_class("regression").Instance) == {
         "features": ("FP64", [-1, -1], False)  # its length depends on the model: not fixed
     }
+    # ... and a loaded model fixes it (what GET /v2/models/{name} shows).
+    wide = build_task("regression", "debug", {"features": 5}).instance_schema()
+    assert specs_by_name(wide) == {"features": ("FP64", [-1, 5], False)}
     from relay.tasks.hf.classification import LabelPrediction
 
     (label, probabilities) = tensor_specs(LabelPrediction)

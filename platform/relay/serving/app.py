@@ -476,7 +476,7 @@ def build_http_app(server: ModelServer) -> FastAPI:
     async def v2_live() -> dict[str, bool]:
         return {"live": True}
 
-    @api.get("/v2/health/ready")
+    @api.get("/v2/health/ready", responses={503: {"description": "no model loaded yet"}})
     async def v2_ready() -> JSONResponse:
         ready = bool(server.table)
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
@@ -486,7 +486,7 @@ def build_http_app(server: ModelServer) -> FastAPI:
         if (entry := server.entry(name)) is None:
             return server.unknown(name)
         body = v2.model_metadata(
-            name, [entry.version], PLATFORM, entry.task.Instance, entry.task.Prediction
+            name, [entry.version], PLATFORM, entry.task.instance_schema(), entry.task.Prediction
         )
         return answered_by(entry, JSONResponse(body))
 
@@ -514,12 +514,18 @@ def openapi(api: FastAPI, server: ModelServer) -> dict[str, Any]:
     limits = Field(min_length=1, max_length=server.args.max_instances)
     closed = ConfigDict(extra="forbid")  # predict() refuses unknown fields: say so
     refusals = {"4XX": {"description": "refused: relay's error shape", **_json_ref(ErrorBody)}}
+    not_served = {"description": "no model of that name is served", **_json_ref(ErrorBody)}
+    for path, operations in paths.items():
+        if "{name}" in path:  # any string is a name: FastAPI's own 422 never comes
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+                operation["responses"]["404"] = not_served
     for name, entry in sorted(server.table.items()):
         prefix = re.sub(r"\W", "_", name)
         request_model = create_model(
             f"{prefix}_PredictRequest",
             __config__=closed,
-            instances=(list[entry.task.Instance], limits),
+            instances=(list[entry.task.instance_schema()], limits),
         )
         response_model = create_model(
             f"{prefix}_PredictResponse", predictions=(list[entry.task.Prediction], ...)

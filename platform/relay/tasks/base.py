@@ -148,6 +148,12 @@ class Task(ABC):
     Instance: ClassVar[type[BaseModel]]
     Prediction: ClassVar[type[BaseModel]]
 
+    def instance_schema(self) -> type[BaseModel]:
+        """`Instance` as this model's API documents it: narrowed where the model fixes what
+        the task leaves open (regression's feature count). Validation needs no narrowing:
+        `Instance` checks such things against the task in its validation context."""
+        return self.Instance
+
     def __init__(
         self,
         size: str = "default",

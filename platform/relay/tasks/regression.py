@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import BaseModel, Field, ValidationInfo, create_model, field_validator
 
 from relay.models import MLP
 from relay.tasks.base import (
@@ -41,6 +43,17 @@ class RegressionInstance(InstanceSchema):
         return value
 
 
+@cache  # one class per width: the OpenAPI document names it once
+def instance_of_width(features: int) -> type[BaseModel]:
+    exactly = Field(min_length=features, max_length=features, description="The input features.")
+    return create_model(
+        f"RegressionInstance{features}",
+        __base__=RegressionInstance,
+        __doc__=f"One row of {features} features.",
+        features=(list[float], exactly),
+    )
+
+
 class RegressionPrediction(PredictionSchema):
     value: float = Field(description="The predicted target.")
 
@@ -58,6 +71,9 @@ class RegressionTask(Task):
         "debug": {"samples": 512, "features": 8, "hidden": [32]},
         "default": {"samples": 20_000, "features": 32, "hidden": [128, 128]},
     }
+
+    def instance_schema(self) -> type[BaseModel]:
+        return instance_of_width(self.hp.features)
 
     def build_model(self) -> torch.nn.Module:
         return MLP(self.hp.features, self.hp.hidden, 1)
