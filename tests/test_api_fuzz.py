@@ -124,8 +124,9 @@ def api_schema(base_url, storage, session):
     document = session.get(f"{base_url}/openapi.json", timeout=TIMEOUT).json()
     task, _ = checkpoint.load_model(registry.resolve_model(storage, "regression:best").checkpoint)
     width = task.hp.features
-    features = document["components"]["schemas"][f"RegressionInstance{width}"]["properties"]
-    assert features["features"]["minItems"] == features["features"]["maxItems"] == width
+    regression = document["components"]["schemas"][f"RegressionInstance{width}"]
+    features = regression["properties"]["features"]
+    assert features["minItems"] == features["maxItems"] == width
     # The config is explicit, so no schemathesis.toml found on the way up applies. Invalid data
     # must get one of relay's refusals (413: more instances than max_instances); a 5xx is
     # not_a_server_error's to report.

@@ -236,9 +236,9 @@ def replica_pids(server: subprocess.Popen) -> list[int]:
 
 
 def test_a_killed_replica_of_two_fails_almost_no_request(haproxy_server, storage):
-    """SIGKILL one of the two replicas under continuous load: at most 0.1% of the requests
-    fail (the issue's bound), nothing hangs, and 10 s after the kill every request is answered
-    normally."""
+    """SIGKILL one of the two replicas under continuous load: at most one request fails, or
+    0.1% if that is more (the issue's bound), nothing hangs, and 10 s after the kill every
+    request is answered normally."""
     server, base, _ = haproxy_server
     replicas = replica_pids(server)
     assert len(replicas) == 2, replicas

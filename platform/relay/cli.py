@@ -259,10 +259,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if not result.best:
         return EXIT_FAILED
     if args.serve:
-        if args.json:  # the JSON stays stdout's last line; what serving says goes to stderr
-            with contextlib.redirect_stdout(sys.stderr):
-                return _serve_best(args, storage, result.model)
-        return _serve_best(args, storage, result.model)
+        # With --json the JSON stays stdout's last line: what serving says goes to stderr.
+        output = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+        with output:
+            return _serve_best(args, storage, result.model)
     return 0
 
 
