@@ -268,11 +268,14 @@ def test_a_killed_replica_of_two_fails_almost_no_request(haproxy_server, storage
 def test_relay_deploy_swaps_the_version_under_load_with_no_failed_request(
     haproxy_server, installed, storage, tmp_path
 ):
-    """`relay deploy digits:2` from another process while clients keep posting: no request
-    fails, both versions answer during the swap, and requests sent after the command returns
-    are all answered by version 2, with its predictions."""
-    _, base, _ = haproxy_server
+    """`relay deploy digits:2` from another process, in another directory, while clients keep
+    posting: no request fails, both versions answer during the swap, requests sent after the
+    command returns are all answered by version 2, with its predictions — and by the same
+    replica processes (an in-place reconfigure; a restarted single replica leaves HAProxy
+    nothing to send to for seconds)."""
+    server, base, _ = haproxy_server
     make_version(storage, "digits", steps=5)  # digits:2
+    replicas = sorted(replica_pids(server))
     port, storage_at = base.rsplit(":", 1)[1], ("--storage", str(storage))
     with Load(base) as load:
         load.wait_for(200)
@@ -292,6 +295,7 @@ def test_relay_deploy_swaps_the_version_under_load_with_no_failed_request(
     assert not failed, failed[:10]
     assert {version for sent, _, version in load.answers if sent > done} == {"2"}
     assert "1" in {version for _, _, version in load.answers}
+    assert sorted(replica_pids(server)) == replicas
     response = predict(base, {"instances": images(3)})
     expected = offline_predictions(storage, "digits:2", images(3))
     assert_matches(response.json()["predictions"], expected)

@@ -587,8 +587,11 @@ def replica_version(args: ReplicaArgs) -> str:
     return hashlib.sha256(json.dumps(built_from, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build(models: list[ModelInfo], args: AppArgs) -> Application:
-    """The application serving already resolved models (`relay serve` resolves them first)."""
+def build(
+    models: list[ModelInfo], args: AppArgs, runtime_env: dict[str, Any] | None = None
+) -> Application:
+    """The application serving already resolved models (`relay serve` resolves them first).
+    `runtime_env`: the replicas' (None: the calling driver's, Serve's default)."""
     if args.max_replicas is not None and args.max_replicas > args.replicas:
         scaling: dict[str, Any] = {
             "autoscaling_config": {
@@ -601,7 +604,10 @@ def build(models: list[ModelInfo], args: AppArgs) -> Application:
         scaling = {"num_replicas": args.replicas}
     deployment = ModelServer.options(
         name=DEPLOYMENT,
-        ray_actor_options={"num_cpus": args.num_cpus},
+        ray_actor_options={
+            "num_cpus": args.num_cpus,
+            **({"runtime_env": runtime_env} if runtime_env is not None else {}),
+        },
         max_ongoing_requests=args.max_ongoing_requests,
         logging_config={"enable_access_log": args.access_log},
         user_config=model_table.user_config(models),

@@ -205,7 +205,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             http_options={"host": args.host, "port": args.port},
             logging_config={"enable_access_log": app_args.access_log},
         )
-        serve.run(build(models, app_args), name=APP_NAME, route_prefix="/")
+        # Named explicitly (what Serve would default to) and recorded for relay deploy.
+        runtime_env = dict(ray.get_runtime_context().runtime_env)
+        serve.run(build(models, app_args, runtime_env), name=APP_NAME, route_prefix="/")
         base = f"http://{args.host}:{args.port}"
         for info in models:
             ingress.wait_until_answering(f"{base}/v1/models/{info.name}")
@@ -218,6 +220,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             pid=os.getpid(),
             args=app_args.model_dump(mode="json"),
             auth_mode=os.environ.get("RAY_AUTH_MODE"),
+            runtime_env=runtime_env,
         )
         endpoint.write(app_args.storage, here)
         recorded = True
@@ -312,7 +315,8 @@ def _swap_in(new: list, served_args, found: endpoint.Endpoint, verbose: bool) ->
     try:
         cluster.connect(verbose=verbose)
         # Returns once every replica runs the new table (Serve's application status).
-        serve.run(build(models, served_args), name=found.app_name, route_prefix="/")
+        app = build(models, served_args, found.runtime_env)
+        serve.run(app, name=found.app_name, route_prefix="/")
         for info in new:
             _wait_for_version(found.base_url, info)
     except Exception as exc:

@@ -34,6 +34,11 @@ class Endpoint:
     # in that process's environment; the token in ~/.ray/auth_token) and a driver joining it
     # must be in the same mode, or its connection times out without a word about auth.
     auth_mode: str | None = None
+    # The runtime_env the replicas run with. Serve gives a deployment that names none the
+    # runtime_env of the driver calling serve.run, and restarts every replica when it changes;
+    # `relay deploy` is another driver (another cwd, joining rather than starting the cluster),
+    # so it passes this one on instead, and a swap stays an in-place reconfigure.
+    runtime_env: dict[str, Any] | None = None
 
     @property
     def base_url(self) -> str:
