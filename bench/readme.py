@@ -168,7 +168,14 @@ def serve_load_block(results: dict[str, dict[str, Any]]) -> str:
         "| model | server | " + " | ".join(f"c={c}" for c in levels) + " |",
         "|---|---|" + "---|" * len(levels),
     ]
-    order = ("plain", "haproxy", "haproxy 2 models", "haproxy serve.batch", "proxy")
+    order = (
+        "plain",
+        "haproxy",
+        "haproxy conn-failure retry",
+        "haproxy 2 models",
+        "haproxy serve.batch",
+        "proxy",
+    )
     for model in ("tiny", "heavy"):
         sides = f["levels"][model]
         for side in sorted(sides, key=lambda name: order.index(name) if name in order else 9):
@@ -193,6 +200,13 @@ def serve_load_block(results: dict[str, dict[str, Any]]) -> str:
         f"{f['deploy_s']:.1f} s (a new Ray driver, the redeploy, the check). A second model in "
         f"the table: {ratio(f['two_models_ratio_c32'])}× the one-model throughput at c=32.",
     ]
+    if "retry_throughput_ratio_c32" in f:
+        lines[-1] += (
+            " relay's HAProxy retry policy (`conn-failure empty-response`) against Serve's "
+            f"(`conn-failure`): c=1 p50 {f['retry_p50_gap_ms_c1']:+.2f} ms, c=32 "
+            f"{ratio(f['retry_throughput_ratio_c32'])}× the throughput (heavy, batched: "
+            f"{ratio(f['retry_batched_ratio_c32'])}×)."
+        )
     return "\n".join(lines) + "\n"
 
 

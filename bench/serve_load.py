@@ -16,6 +16,11 @@ with `task.predict` on one torch thread:
             `relay serve digits:1 digits-b:1`: the same, with a second model in every replica's
             table (relay/serving/model_table.py); the load goes to digits alone. What the
             table costs a request.
+  haproxy conn-failure retry
+            the same as haproxy, with Serve's own HAProxy retry policy (`retry-on conn-failure`)
+            instead of relay's (`conn-failure empty-response`, relay/serving/ingress.py), set
+            through the environment as an operator would: what resending a request whose
+            replica died costs, in HAProxy keeping a copy of every request.
   haproxy serve.batch
             `--batching serve`: Ray Serve's `@serve.batch` (5 ms wait after a batch's first
             instance) instead of relay's adaptive batcher (relay/serving/batching.py).
@@ -25,9 +30,9 @@ with `task.predict` on one torch thread:
 Two models, each a digits MLP with weights as initialised (speed, not accuracy):
   tiny   the "default" size (64 → 256 → 128 → 10): the ingress, not the model, sets the speed;
          all three servers at c = 1, 8, 32, 64.
-  heavy  hidden 4096,4096 (a forward of milliseconds): relay batched (HAProxy; both batchers)
-         vs plain, which runs one forward per request, at c = 1 and 32 — where batching must
-         pay.
+  heavy  hidden 4096,4096 (a forward of milliseconds): relay batched (HAProxy; both batchers;
+         both retry policies) vs plain, which runs one forward per request, at c = 1 and 32 —
+         where batching must pay.
 
 Load: Debian's `wrk` (C, one thread, a Lua script for the POST body and the figures), closed
 loop: `c` keep-alive connections, each sending its next request when the previous answer
@@ -45,8 +50,10 @@ in every window; p99 and max latency compare the swap window with the steady one
 The last stdout line is one JSON object: throughput_ratio_c32 and p99_ratio_c32 (haproxy /
 plain, tiny), p50_gap_ms_c1 (haproxy − plain), proxy_ratio_c32 (proxy / plain),
 two_models_ratio_c32 (haproxy 2 models / haproxy), batched_throughput_ratio_c32 (heavy: relay
-batched / plain) and the same with @serve.batch, swap_failed_requests, swap_p99_ratio (swap
-window / steady window) with the swap figures, then every level's figures.
+batched / plain) and the same with @serve.batch, relay's retry policy against Serve's
+(retry_p50_gap_ms_c1: haproxy − conn-failure retry; retry_throughput_ratio_c32 and, heavy,
+retry_batched_ratio_c32: haproxy / conn-failure retry), swap_failed_requests, swap_p99_ratio
+(swap window / steady window) with the swap figures, then every level's figures.
 """
 
 import argparse
@@ -148,10 +155,12 @@ def run_plain_server(checkpoint_dir: str, port: int) -> None:
 class Server:
     """One side, started in a session of its own and ended by that session's processes."""
 
-    def __init__(self, argv: list[str], ready_line: str | None) -> None:
+    def __init__(
+        self, argv: list[str], ready_line: str | None, env: dict[str, str] | None = None
+    ) -> None:
         self.process = subprocess.Popen(
             argv,
-            env={**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1"},
+            env={**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1", **(env or {})},
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
@@ -200,7 +209,11 @@ RELAY_SIDES = {
     "haproxy serve.batch": ["--ingress", "haproxy", "--batching", "serve"],
     "proxy": ["--ingress", "proxy"],
     "haproxy 2 models": ["--ingress", "haproxy"],
+    "haproxy conn-failure retry": ["--ingress", "haproxy"],
 }
+# Environment of a side's server, beyond the bench's own (an operator's setting wins over
+# relay's default).
+SIDE_ENV = {"haproxy conn-failure retry": {"RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure"}}
 # Models each relay side serves (the load goes to the first).
 SIDE_MODELS = {"haproxy 2 models": [f"{MODEL}:1", f"{MODEL}-b:1"]}
 
@@ -214,7 +227,7 @@ def start_side(side: str, storage: Path, checkpoint_dir: str, port: int) -> Serv
     models = SIDE_MODELS.get(side, [f"{MODEL}:1"])
     argv = [sys.executable, "-m", "relay.cli", "serve", *models, "--storage", str(storage)]
     argv += ["--port", str(port), "--num-cpus", "0.5", *RELAY_SIDES[side]]
-    return Server(argv, ready_line="curl ")
+    return Server(argv, ready_line="curl ", env=SIDE_ENV.get(side))
 
 
 def wait_until_answering(port: int, timeout_s: float = 60.0) -> None:
@@ -425,9 +438,10 @@ def main(argv: list[str] | None = None) -> None:
         tiny = heavy = swap = None
         if args.only in (None, "tiny"):
             sides = ["plain", "haproxy", "proxy", "haproxy serve.batch", "haproxy 2 models"]
+            sides.append("haproxy conn-failure retry")
             tiny = compare("tiny", sides, tiny_storage, tiny_checkpoint, TINY_LEVELS, args, script)
         if args.only in (None, "heavy"):
-            sides = ["plain", "haproxy", "haproxy serve.batch"]
+            sides = ["plain", "haproxy", "haproxy serve.batch", "haproxy conn-failure retry"]
             heavy = compare(
                 "heavy", sides, heavy_storage, heavy_checkpoint, HEAVY_LEVELS, args, script
             )
@@ -449,6 +463,16 @@ def main(argv: list[str] | None = None) -> None:
         # The same with Ray Serve's own batcher instead of relay's adaptive one.
         "serve_batch_throughput_ratio_c32": round(
             heavy["haproxy serve.batch"][32]["rps"] / heavy["plain"][32]["rps"], 3
+        ),
+        # relay's retry policy (conn-failure empty-response) against Serve's (conn-failure).
+        "retry_p50_gap_ms_c1": round(
+            haproxy[1]["p50_ms"] - tiny["haproxy conn-failure retry"][1]["p50_ms"], 2
+        ),
+        "retry_throughput_ratio_c32": round(
+            haproxy[32]["rps"] / tiny["haproxy conn-failure retry"][32]["rps"], 3
+        ),
+        "retry_batched_ratio_c32": round(
+            heavy["haproxy"][32]["rps"] / heavy["haproxy conn-failure retry"][32]["rps"], 3
         ),
         **{key: value for key, value in swap.items() if key != "windows"},
         "swap_windows": swap["windows"],
