@@ -15,6 +15,15 @@ The same rewrite points the config's `errorfile 502/503/504` lines (Serve's text
 Server Error") at files written here, next to CONFIG, in relay's error shape `{"error": ...}`:
 what a client gets when no replica can take its request (all down, one restarting, a timeout)
 is JSON like every other error of the API.
+
+And the backends' `http-reuse always` becomes `http-reuse safe` (HAProxy's default): with
+`always`, the first request of a new client connection may go out on an idle connection to a
+replica that has just died, and HAProxy then closes the client's connection unanswered and
+unlogged, so that the client may retry (measured here: the request right after SIGKILL of the
+only replica). With `safe`, a client connection's first request gets a connection of its own,
+which fails as a connect error — retried, then redispatched to Serve's fallback proxy once the
+replica is marked down. Later requests on a kept-alive client connection still share idle
+connections.
 """
 
 from __future__ import annotations
@@ -66,6 +75,13 @@ def write_error_files(directory: str) -> dict[int, str]:
     return paths
 
 
+REUSE_ALWAYS = re.compile(r"^(\s*http-reuse\s+)always\b", re.M)
+
+
+def safe_reuse(text: str) -> str:
+    return REUSE_ALWAYS.sub(r"\g<1>safe", text)
+
+
 def json_error_files(text: str, paths: dict[int, str]) -> str:
     return ERRORFILE.sub(lambda m: f"{m.group(1)}{m.group(2)} {paths[int(m.group(2))]}", text)
 
@@ -83,7 +99,7 @@ def main(argv: list[str]) -> None:
         with open(path) as file:
             original = file.read()
         errors = write_error_files(os.path.dirname(path))
-        rewritten = json_error_files(loopback_admin_binds(original), errors)
+        rewritten = safe_reuse(json_error_files(loopback_admin_binds(original), errors))
         if rewritten != original:
             # Next to the original, then renamed over it: HAProxy never reads half a file.
             with open(path + ".relay", "w") as file:

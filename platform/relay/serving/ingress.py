@@ -28,7 +28,10 @@ environment lacks it, so an operator's own value wins):
 - a replica leaving (version swap, scale-down, shutdown) drains for `DRAIN_S` rather than 30 s;
 - a request whose replica closed the connection without an answer (it was killed, or crashed,
   with the request in flight) is sent again to another replica (`RETRY_ON`); Serve retries only
-  connection failures, since a POST is not in general safe to send twice — a prediction is.
+  connection failures, since a POST is not in general safe to send twice — a prediction is;
+- a client connection's first request goes to a replica on a connection of its own
+  (`http-reuse safe`, through haproxy_launch.py): sent on a shared idle one whose replica had
+  just died, it was closed unanswered.
 """
 
 from __future__ import annotations
