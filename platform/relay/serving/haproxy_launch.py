@@ -21,9 +21,9 @@ And the backends' `http-reuse always` becomes `http-reuse safe` (HAProxy's defau
 replica that has just died, and HAProxy then closes the client's connection unanswered and
 unlogged, so that the client may retry (measured here: the request right after SIGKILL of the
 only replica). With `safe`, a client connection's first request gets a connection of its own,
-which fails as a connect error — retried, then redispatched to Serve's fallback proxy once the
-replica is marked down. Later requests on a kept-alive client connection still share idle
-connections.
+whose failure HAProxy answers (a JSON 502 above) or retries, and the requests after it go to
+Serve's fallback proxy once the replica is marked down. Later requests on a kept-alive client
+connection still share idle connections.
 """
 
 from __future__ import annotations
