@@ -58,6 +58,8 @@ REFS_HELP = (
     "several share the endpoint, each under its own name"
 )
 APP_NAME = "relay"  # the Serve application relay serve runs
+# How Serve names its replica actors (ray/serve/_private/common.py, ReplicaID.to_full_id_str).
+REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"
 
 
 def _add_endpoint_flags(parser: argparse.ArgumentParser, host_help: str) -> None:
@@ -353,9 +355,21 @@ def _take_down(app_name: str, own_cluster: bool) -> None:
 
     try:
         if own_cluster:
-            serve.shutdown()
+            _end_replicas_now()
+            serve.shutdown()  # stops HAProxy too, which Ray alone would leave running
             ray.shutdown()
         else:
             serve.delete(app_name)
     except Exception as exc:  # already gone (e.g. the cluster died): nothing left to clean up
         print(f"relay: while stopping: {exc}", file=sys.stderr)
+
+
+def _end_replicas_now() -> None:
+    """Serve stops each replica gracefully: it keeps answering for the draining period
+    (ingress.DRAIN_S) while HAProxy forgets it. When the whole cluster goes, there is nothing
+    to hand its requests to: kill the replicas, so that stopping takes seconds less."""
+    import ray
+
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(REPLICA_ACTOR_PREFIX):
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
