@@ -207,6 +207,49 @@ def serve_load_block(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def serve_multiplex(f: dict[str, Any]) -> str:
+    cold, heavy = f["cold_first_ms"], f["cold_first_ms_heavy"]
+    return (
+        f"two models on one replica, Serve's multiplexing / relay's table at c=32 "
+        f"**{ratio(f['multiplexed_ratio_c32'])}**; a model's first request "
+        f"{heavy['multiplexed']:.0f} vs {heavy['table']:.0f} ms (68 MB models), "
+        f"{cold['multiplexed']:.0f} vs {cold['table']:.0f} ms (tiny)"
+    )
+
+
+def serve_multiplex_block(results: dict[str, dict[str, Any]]) -> str:
+    """bench/serve_multiplex.py: the table against multiplexing, cold and warm."""
+    e = results["serve_multiplex"]
+    f = e["figures"]
+    setup, levels = f["setup"], f["levels"]
+    lines = [
+        f"Two models on one replica (HAProxy), relay's table vs Serve's `@serve.multiplexed` "
+        f"loading the same replica's models on demand; median of {setup['repeats']} alternated "
+        f"repeats, {setup['seconds_per_level']} s per level ({setup['client']}). Run: "
+        f"`{e['command']}`, {(e['commit'] or '?')[:8]}{'+' if e['dirty'] else ''}, "
+        f"{e['date'][:10]}.",
+        "",
+        "| | table | multiplexed |",
+        "|---|---|---|",
+    ]
+    for c in ("1", "32"):
+        cells = [
+            f"{rate(levels[side][c]['rps'])} req/s, p50 {levels[side][c]['p50_ms']:.1f} / "
+            f"p99 {levels[side][c]['p99_ms']:.1f} ms"
+            for side in ("table", "multiplexed")
+        ]
+        lines.append(
+            f"| c={c}, requests alternating between the models | " + " | ".join(cells) + " |"
+        )
+    for key, size in (("cold_first_ms", "tiny"), ("cold_first_ms_heavy", setup["sizes"]["heavy"])):
+        cold = f[key]
+        lines.append(
+            f"| first request to a model ({size}), slower of the two | "
+            f"{cold['table']:.1f} ms | {cold['multiplexed']:.1f} ms |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def startup(f: dict[str, Any]) -> str:
     relay, saved = f["sides"]["relay"], f["saved_s"]["ray_defaults"]
     return (
@@ -246,6 +289,10 @@ TABLE = {
     ),
     "overlap": ("one more trial than fits, started while others train, vs none", overlap),
     "serve_load": ("`relay serve` (HAProxy, Python proxy) vs a plain FastAPI server", serve_load),
+    "serve_multiplex": (
+        "several models on one endpoint: relay's model table vs Serve's multiplexing",
+        serve_multiplex,
+    ),
     "ingest": ("data from Parquet files vs a DataLoader and vs in memory", ingest),
 }
 
@@ -369,6 +416,7 @@ BLOCKS: dict[str, Callable[[dict[str, dict[str, Any]]], str]] = {
     "startup": startup_block,
     "search_algorithms": search_algorithms,
     "serve_load": serve_load_block,
+    "serve_multiplex": serve_multiplex_block,
 }
 
 

@@ -38,6 +38,7 @@ BENCHES: dict[str, list[str]] = {
     "search_algorithms": ["bench/search_algorithms.py"],
     "overlap": ["bench/overlap.py"],
     "serve_load": ["bench/serve_load.py"],
+    "serve_multiplex": ["bench/serve_multiplex.py"],
     "ingest": ["bench/ingest.py"],
     # Sample outputs the README shows: real runs of the commands it documents.
     "sample_train": ["relay", "train", "jobs/configs/digits.yaml"],
