@@ -2,11 +2,13 @@
 
 The table travels to the replicas as the deployment's `user_config` ({"models": [ModelInfo,
 ...]}), not as constructor arguments. Serve applies a change of `user_config` alone in place:
-it calls each running replica's `reconfigure`, and the replica keeps answering meanwhile (it
-stays in the routing set: no restart, no drain). So a version swap (`relay deploy`) loads the
-new weights beside the old ones, then replaces the whole table in one assignment: a request
-runs start to finish on the version it found, and once every replica has swapped, only the new
-version answers.
+it calls each running replica's `reconfigure` (no restart, no drain). While it runs, Serve
+counts the replica as UPDATING, not RUNNING, so new requests go to the other replicas, or with
+none to Serve's fallback proxy, which holds them until it is back (ray/serve/_private/
+deployment_state.py, get_running_replica_infos); the requests it already has run on. So a
+version swap (`relay deploy`) loads the new weights beside the old ones, then replaces the whole
+table in one assignment: a request runs start to finish on the version it found, and once
+every replica has swapped, only the new version answers.
 """
 
 from __future__ import annotations
