@@ -30,8 +30,9 @@ The volume is counted, not assumed: each request the server answered, per operat
 status; the test fails below MIN_REQUESTS. (One test with an explicit loop rather than
 `schemathesis.pytest.from_fixture`: that loader reads `Node._nodeid`, which pytest 9.2 no
 longer has.) A second test sends Schemathesis' schema-valid v1 instances through v2 as
-tensors too, the only way generated requests reach the models over v2 (the document's
-InferRequest names no model's tensors), and checks the two protocols agree.
+tensors too, the only way generated requests reach the models over v2 with valid values (the
+document's InferRequest names each model's tensors, their datatypes and rank, not what their
+elements must be), and checks the two protocols agree.
 """
 
 from __future__ import annotations

@@ -263,6 +263,12 @@ def test_metadata_health_and_docs(base_url):
     # Each served model's own predict path, with its task's schema.
     assert {"/v1/models/digits:predict", "/v2/models/digits/infer"} <= set(spec["paths"])
     assert spec["components"]["schemas"]["DigitsInstance"]["properties"]["pixels"]
+    # v2 too: the infer request names the model's own tensors (GET /v2/models/digits's).
+    infer = spec["paths"]["/v2/models/digits/infer"]["post"]["requestBody"]["content"]
+    request = infer["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+    tensor = spec["components"]["schemas"][request]["properties"]["inputs"]["items"]["$ref"]
+    pixels = spec["components"]["schemas"][tensor.rsplit("/", 1)[1]]["properties"]
+    assert pixels["name"]["const"] == "pixels" and "FP32" in pixels["datatype"]["enum"]
     missing = requests.get(f"{base_url}/v1/models/nope", timeout=TIMEOUT)
     assert missing.status_code == 404 and "nope" in missing.json()["error"]
 

@@ -39,6 +39,7 @@ relay/serving/ingress.py's business; the application is the same for both.
 import asyncio
 import hashlib
 import json
+import logging
 import math
 import re
 import time
@@ -71,6 +72,7 @@ from relay.serving.batching import AdaptiveBatcher
 from relay.serving.model_table import LoadedModel, ModelInfo
 from relay.serving.web import BodyLimit, ErrorBody, error, error_detail
 
+logger = logging.getLogger(__name__)
 MIB = 1 << 20
 # On every response about a model: the version that answered (the registry's number, or the
 # reference when the model was served from a run id or a checkpoint directory).
@@ -385,10 +387,12 @@ class ModelResponses:
         counted = name in table  # not /healthz, /docs, or an unknown name
         default = (VERSION_HEADER.encode(), entry.version.encode())
         start, status, version = time.perf_counter(), 500, entry.version
+        started = False
 
         async def noting(message) -> None:
-            nonlocal status, version
+            nonlocal status, version, started
             if message["type"] == "http.response.start":
+                started = True
                 status, headers = message["status"], message.get("headers", [])
                 given = next((v for k, v in headers if k == default[0]), None)
                 if given is None:
@@ -399,9 +403,20 @@ class ModelResponses:
 
         try:
             await self.app(scope, receive, noting)
+        except Exception as exc:
+            if started:
+                raise
+            # Answered here: FastAPI's handler for Exception runs outside every middleware
+            # (Starlette's ServerErrorMiddleware), where this one could not add the version.
+            logger.exception("internal error answering %s", scope["path"])
+            await internal_error(exc)(scope, receive, noting)
         finally:
             if counted:
                 self.server.metrics.request(name, version, status, time.perf_counter() - start)
+
+
+def internal_error(exc: Exception) -> JSONResponse:
+    return error(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def answered_by(entry: LoadedModel, response: JSONResponse) -> JSONResponse:
@@ -428,9 +443,9 @@ def build_http_app(server: ModelServer) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error(exc.status_code, str(exc.detail))
 
-    @api.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        return error(500, f"internal error: {type(exc).__name__}: {exc}")
+    @api.exception_handler(Exception)  # requests about a model: ModelResponses answers
+    async def unhandled(request: Request, exc: Exception) -> JSONResponse:
+        return internal_error(exc)
 
     @api.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -530,6 +545,9 @@ def openapi(api: FastAPI, server: ModelServer) -> dict[str, Any]:
         response_model = create_model(
             f"{prefix}_PredictResponse", predictions=(list[entry.task.Prediction], ...)
         )
+        infer_model = v2.infer_request_model(
+            prefix, entry.task.instance_schema(), entry.task.Prediction
+        )
         about = f"{name} (version {entry.version}, task {entry.info.task})"
         paths[f"/v1/models/{name}:predict"] = {
             "post": {
@@ -546,16 +564,16 @@ def openapi(api: FastAPI, server: ModelServer) -> dict[str, Any]:
             "post": {
                 "summary": f"Infer with {about}: the tensors GET /v2/models/{name} names",
                 "operationId": f"infer_{prefix}",
-                "requestBody": {"required": True, **_json_ref(v2.InferRequest)},
+                "requestBody": {"required": True, **_json_ref(infer_model)},
                 "responses": {
                     "200": {"description": "Outputs", **_json_ref(v2.InferResponse)},
                     **refusals,
                 },
             }
         }
-        for model in (request_model, response_model):
+        for model in (request_model, response_model, infer_model):
             add_schema(schemas, model)
-    for model in (v2.InferRequest, v2.InferResponse, ErrorBody):
+    for model in (v2.InferResponse, ErrorBody):
         add_schema(schemas, model)
     return schema
 

@@ -15,13 +15,14 @@ alike.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import operator
 from dataclasses import dataclass
-from functools import cache
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 # JSON-schema scalar types → v2 datatypes. Floats are FP64: a pydantic float is a Python float
 # (a double) and JSON numbers are doubles, so FP64 states what relay keeps and returns; FP32
@@ -65,7 +66,7 @@ def _fail(loc: tuple, msg: str, kind: str, status: int = 422) -> InferError:
     return InferError(status, f"{where}: {msg}", [{"loc": where, "msg": msg, "type": kind}])
 
 
-@cache  # schemas are static per class; building a JSON schema is not free
+@functools.cache  # schemas are static per class; building a JSON schema is not free
 def tensor_specs(model: type[BaseModel]) -> tuple[TensorSpec, ...]:
     """One tensor per field of `model`, in field order (from its JSON schema, so Annotated
     constraints such as a list's fixed length are seen)."""
@@ -332,6 +333,48 @@ class InferRequest(BaseModel):
     parameters: dict[str, Any] | None = None
     inputs: list[RequestTensor] = Field(min_length=1)
     outputs: list[RequestedOutput] | None = Field(None, description="Default: every output.")
+
+
+def infer_request_model(
+    prefix: str, instance_model: type[BaseModel], prediction_model: type[BaseModel]
+) -> type[BaseModel]:
+    """InferRequest as one model's API documents it: each input tensor by its name, with the
+    datatypes it accepts and its rank; the outputs a request may ask for by name. `prefix`
+    keeps the schemas of several models on one endpoint apart."""
+    inputs = []
+    for spec in tensor_specs(instance_model):
+        rank = len(spec.shape)
+        inputs.append(
+            create_model(
+                f"{prefix}_{spec.name}_Input",
+                __base__=RequestTensor,
+                name=(Literal[spec.name], ...),
+                datatype=(Literal[tuple(sorted(ACCEPTED[spec.datatype]))], ...),
+                shape=(
+                    list[int],
+                    Field(
+                        min_length=rank,
+                        max_length=rank,
+                        description=f"{list(spec.shape)}: the batch size first (-1: any)",
+                    ),
+                ),
+            )
+        )
+    tensor = inputs[0]
+    if len(inputs) > 1:  # which schema applies: the one its name names
+        tensor = Annotated[functools.reduce(operator.or_, inputs), Field(discriminator="name")]
+    output_names = tuple(spec.name for spec in tensor_specs(prediction_model))
+    output = create_model(
+        f"{prefix}_RequestedOutput",
+        __base__=RequestedOutput,
+        name=(Literal[output_names], ...),
+    )
+    return create_model(
+        f"{prefix}_InferRequest",
+        __base__=InferRequest,
+        inputs=(list[tensor], Field(min_length=1)),
+        outputs=(list[output] | None, Field(None, description="Default: every output.")),
+    )
 
 
 class ResponseTensor(BaseModel):
