@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 from support import REPO, free_port, session_members, stop_session, subprocess_env
 from test_serve import (
     BAD_REQUESTS,
@@ -299,6 +300,22 @@ def test_relay_deploy_swaps_the_version_under_load_with_no_failed_request(
     response = predict(base, {"instances": images(3)})
     expected = offline_predictions(storage, "digits:2", images(3))
     assert_matches(response.json()["predictions"], expected)
+    # Each replica loaded version 2 while it served version 1, before the swap (the time
+    # Serve routes nothing to a replica: relay/serving/staging.py).
+    loaded_ahead = replica_stats(base, "digits", len(replicas))
+    assert loaded_ahead == {replica: (2, True) for replica in loaded_ahead}, loaded_ahead
+
+
+def replica_stats(base: str, name: str, replicas: int) -> dict[str, tuple]:
+    """Each replica's (version, loaded_before_swap) for `name`, asked until every one of
+    `replicas` has answered (HAProxy picks the replica)."""
+    seen: dict[str, tuple] = {}
+    for _ in range(200):
+        stats = requests.get(f"{base}/v1/models/{name}/stats", timeout=30).json()
+        seen[stats["replica"]] = (stats["version"], stats["loaded_before_swap"])
+        if len(seen) == replicas:
+            break
+    return seen
 
 
 def test_relay_tune_serve_swaps_the_sweeps_best_into_the_running_endpoint(
@@ -366,6 +383,38 @@ def test_two_relay_deploys_at_once_both_land(haproxy_server, installed, storage,
         response = predict(base, {"instances": images(3)}, name=name)
         expected = offline_predictions(storage, f"{name}:1", images(3))
         assert_matches(response.json()["predictions"], expected)
+
+
+def test_a_version_no_replica_can_load_is_refused_before_the_swap(
+    haproxy_server, installed, storage, tmp_path
+):
+    """`relay deploy` of a version whose weights do not fit its model (a readable weights
+    file, so the reference resolves, holding one tensor of the wrong name and shape): every
+    replica tries to load it ahead, fails, and the deploy stops there — exit 1 naming the
+    problem, the endpoint still on its version, its replicas the same processes."""
+    from safetensors.torch import save_file
+
+    server, base, _ = haproxy_server
+    entry = make_version(storage, "digits", steps=9)
+    save_file({"not.a.layer": torch.zeros(3)}, Path(entry["checkpoint"], "model.safetensors"))
+    serving = requests.get(f"{base}/v1/models/digits", timeout=30).json()["version"]
+    replicas = sorted(replica_pids(server))
+    port, storage_at = base.rsplit(":", 1)[1], ("--storage", str(storage))
+    deploy = subprocess.run(
+        [sys.executable, "-m", "relay.cli", "deploy", f"digits:{entry['version']}", "--port",
+         port, *storage_at],
+        cwd=tmp_path,
+        env=subprocess_env(PYTHONPATH=str(installed)),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )  # fmt: skip
+    assert deploy.returncode == 1, deploy.stdout + deploy.stderr[-3000:]
+    assert "cannot load the new models" in deploy.stderr, deploy.stderr[-3000:]
+    assert sorted(replica_pids(server)) == replicas
+    versions = replica_stats(base, "digits", len(replicas))
+    assert {version for version, _ in versions.values()} == {serving}, versions
+    check_predictions(base, storage, f"digits:{serving}")
 
 
 def test_sigterm_leaves_nothing_running(haproxy_server):

@@ -66,7 +66,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import relay
 from relay import cluster
 from relay.config import NAME_PATTERN
-from relay.serving import metrics, model_table
+from relay.serving import metrics, model_table, staging
 from relay.serving import open_inference as v2
 from relay.serving.batching import AdaptiveBatcher
 from relay.serving.model_table import LoadedModel, ModelInfo
@@ -175,19 +175,25 @@ class ModelServer:
         torch.set_num_threads(max(1, int(args.num_cpus)))
         self.args = args
         self.table: dict[str, LoadedModel] = {}  # filled by reconfigure, before any request
+        # Loaded ahead of the next reconfigure, for the table relay deploy staged.
+        self.staged: dict[str, LoadedModel] = {}
         # One forward at a time, off the event loop: a long generate() must not stall health
         # checks or the intake of the next batch.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self.started = time.time()
         self.metrics = metrics.ReplicaMetrics()
-        self.pusher: asyncio.Task | None = None  # started by the first reconfigure (a loop runs)
+        # Started by the first reconfigure (an event loop runs by then).
+        self.background: list[asyncio.Task] = []
         self.forward_serve_batched.set_max_batch_size(args.max_batch_size)
         self.forward_serve_batched.set_batch_wait_timeout_s(args.batch_wait_timeout_s)
 
     async def reconfigure(self, config: dict[str, Any]) -> None:
         """Serve calls this with the user_config: at start, and on `relay deploy`. Requests go
-        on meanwhile; the new table replaces the old one in one assignment."""
-        table = await model_table.load_table(model_table.models_of(config), self.table)
+        on meanwhile; the new table replaces the old one in one assignment. What relay deploy
+        staged is loaded already (relay/serving/staging.py)."""
+        models = model_table.models_of(config)
+        table = await model_table.load_table(models, self.table, self.staged)
+        self.staged = {}
         for entry in table.values():
             if entry.batcher is None:
                 entry.batcher = AdaptiveBatcher(
@@ -196,11 +202,27 @@ class ModelServer:
                     self.args.batch_wait_timeout_s,
                 )
         self.table = table
-        if self.pusher is None:
+        if not self.background:
             context = serve.get_replica_context()
-            self.pusher = asyncio.create_task(
-                metrics.push_forever(self.metrics, context.replica_id.unique_id, context.app_name)
-            )
+            replica, app_name = context.replica_id.unique_id, context.app_name
+            self.background = [
+                asyncio.create_task(metrics.push_forever(self.metrics, replica, app_name)),
+                asyncio.create_task(staging.watch_forever(app_name, replica, self.stage)),
+            ]
+
+    async def stage(self, config: dict[str, Any] | None) -> None:
+        """Load the models of a staged table beside the served ones, for the reconfigure that
+        follows (None: the staging was called off; drop them)."""
+        if config is None:
+            self.staged = {}
+            return
+        staged = await model_table.load_table(
+            model_table.models_of(config), self.table, self.staged
+        )
+        served = {id(entry) for entry in self.table.values()}
+        for entry in staged.values():
+            entry.staged = entry.staged or id(entry) not in served
+        self.staged = staged
 
     async def forward(self, entry: LoadedModel, instances: list[BaseModel]) -> list[dict]:
         """One forward pass of one model over a batch of validated instances."""
@@ -252,6 +274,7 @@ class ModelServer:
         return {
             "replica": serve.get_replica_context().replica_id.unique_id,
             "version": entry.info.version,
+            "loaded_before_swap": entry.staged,
             "batches": sum(sizes.values()),
             "instances": sum(size * n for size, n in sizes.items()),
             "max_batch_size_seen": max(sizes, default=0),

@@ -58,6 +58,9 @@ REFS_HELP = (
     "several share the endpoint, each under its own name"
 )
 APP_NAME = "relay"  # the Serve application relay serve runs
+# How long relay deploy waits for the replicas to load the new weights before the swap (after
+# it, the swap loads what is left).
+STAGE_TIMEOUT_S = 600.0
 # How Serve names its replica actors (ray/serve/_private/common.py, ReplicaID.to_full_id_str).
 REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"
 
@@ -312,10 +315,25 @@ def _swap_in(new: list, served_args, found: endpoint.Endpoint, verbose: bool) ->
     from ray import serve
 
     from relay import cluster
+    from relay.serving import staging
     from relay.serving.app import build
+    from relay.serving.model_table import user_config
 
     try:
         cluster.connect(verbose=verbose)
+        # Every replica loads the new weights while it serves, so that the swap itself (when
+        # Serve routes nothing to a replica) is short; a replica that cannot load them stops
+        # the deploy here, before anything changed.
+        try:
+            staged = staging.stage(
+                found.app_name, user_config(models), _running_replicas(found.app_name),
+                STAGE_TIMEOUT_S,
+            )  # fmt: skip
+        except RuntimeError:
+            staging.stage(found.app_name, None, 0, 0)  # the replicas drop what they loaded
+            raise
+        if not staged and verbose:
+            print("relay: not every replica loaded ahead; the swap loads the rest", file=sys.stderr)
         # Returns once every replica runs the new table (Serve's application status).
         app = build(models, served_args, found.runtime_env)
         serve.run(app, name=found.app_name, route_prefix="/")
@@ -332,6 +350,16 @@ def _swap_in(new: list, served_args, found: endpoint.Endpoint, verbose: bool) ->
         change = f"version {was} → {info.version}" if was is not None else "added"
         print(f"deployed {info.reference} at {found.base_url}/v1/models/{info.name} ({change})")
     return 0
+
+
+def _running_replicas(app_name: str) -> int:
+    from ray import serve
+
+    from relay.serving.app import DEPLOYMENT
+
+    application = serve.status().applications.get(app_name)
+    deployment = application.deployments.get(DEPLOYMENT) if application else None
+    return deployment.replica_states.get("RUNNING", 0) if deployment else 0
 
 
 def _wait_for_version(base_url: str, info, timeout_s: float = 60.0) -> None:

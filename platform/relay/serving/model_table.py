@@ -72,6 +72,7 @@ class LoadedModel:
     model: Any
     batch_sizes: Counter[int] = field(default_factory=Counter)
     batcher: Any = None  # the AdaptiveBatcher for this model's forwards, set by the server
+    staged: bool = False  # loaded ahead of the swap that brought it in (relay/serving/staging.py)
 
     @property
     def version(self) -> str:
@@ -86,15 +87,13 @@ def load(info: ModelInfo) -> LoadedModel:
 
 
 async def load_table(
-    models: list[ModelInfo], current: dict[str, LoadedModel]
+    models: list[ModelInfo], *loaded: dict[str, LoadedModel]
 ) -> dict[str, LoadedModel]:
-    """The new table: models already loaded at the same checkpoint are kept (their batchers
-    and counters too), the others loaded in a thread, so the replica serves on meanwhile."""
+    """The new table: a model already in one of the `loaded` tables at the same checkpoint is
+    kept (its batcher and counters too), the others loaded in a thread, so the replica serves
+    on meanwhile."""
     table = {}
     for info in models:
-        kept = current.get(info.name)
-        if kept is not None and kept.info == info:
-            table[info.name] = kept
-        else:
-            table[info.name] = await asyncio.to_thread(load, info)
+        kept = [t[info.name] for t in loaded if info.name in t and t[info.name].info == info]
+        table[info.name] = kept[0] if kept else await asyncio.to_thread(load, info)
     return table
