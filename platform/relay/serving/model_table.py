@@ -6,8 +6,9 @@ it calls each running replica's `reconfigure` (no restart, no drain). While it r
 counts the replica as UPDATING, not RUNNING, so new requests go to the other replicas, or with
 none to Serve's fallback proxy, which holds them until it is back (ray/serve/_private/
 deployment_state.py, get_running_replica_infos); the requests it already has run on. So a
-version swap (`relay deploy`) loads the new weights beside the old ones, then replaces the whole
-table in one assignment: a request runs start to finish on the version it found, and once
+version swap (`relay deploy`) has every replica load the new weights beside the old ones first,
+while it still answers (relay/serving/staging.py), and `reconfigure` then only replaces the
+whole table in one assignment: a request runs start to finish on the version it found, and once
 every replica has swapped, only the new version answers.
 """
 
