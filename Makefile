@@ -19,7 +19,7 @@ demo: venv
 	$(BIN)/python jobs/demo.py
 
 test: venv
-	$(BIN)/python -m pytest tests --durations=25
+	$(BIN)/python -m pytest tests --durations=50
 
 lint: venv
 	$(BIN)/ruff check .

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -47,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 # bench/ is the script's directory, so on sys.path: the same client, servers and checkpoints.
@@ -184,6 +186,18 @@ def start_side(side: str, storage: Path, port: int) -> Server:
     return Server(argv, ready_line=READY_LINE)
 
 
+@contextlib.contextmanager
+def serving(side: str, storage: Path) -> Iterator[int]:
+    """One side's server on a free port, answering its health check; stopped after."""
+    port = free_port()
+    server = start_side(side, storage, port)
+    try:
+        wait_for_health(port)
+        yield port
+    finally:
+        server.stop()
+
+
 def wait_for_health(port: int, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -237,23 +251,13 @@ def main(argv: list[str] | None = None) -> None:
             make_checkpoint(heavy_storage, HEAVY_HIDDEN, name=name)
         for repeat in range(args.repeats):
             for side in sides if repeat % 2 == 0 else reversed(sides):
-                port = free_port()
-                server = start_side(side, storage, port)
-                try:
-                    wait_for_health(port)
+                with serving(side, storage) as port:
                     cold[side].append(first := first_requests(port))
                     print(f"{side:<12} tiny, first requests (ms): {first}", flush=True)
                     runs[side].append(measure(side, port, LEVELS, args.seconds, script))
-                finally:
-                    server.stop()
-                port = free_port()
-                server = start_side(side, heavy_storage, port)
-                try:
-                    wait_for_health(port)
+                with serving(side, heavy_storage) as port:
                     cold_heavy[side].append(first := first_requests(port))
                     print(f"{side:<12} heavy, first requests (ms): {first}", flush=True)
-                finally:
-                    server.stop()
     levels = {side: summarise(side_runs) for side, side_runs in runs.items()}
 
     def slowest_first(runs: dict[str, list]) -> dict[str, float]:

@@ -4,7 +4,7 @@ for every Tune trial, and in the tests.
 Only Ray's part of a worker lives here: the checkpoint to resume from, this rank's data (opened
 through the run's ingest, relay/ingest.py), reporting each epoch and writing checkpoints. The
 epoch itself (optimizer, schedule, passes, statistics) is epochs.py, which the plain-torchrun
-baseline runs too; distributed concerns (ranks, wrapping, reductions) live in parallel.py; the
+baseline runs too; distributed concerns (ranks, wrapping, reductions) live in relay/parallel/; the
 problem-specific parts (model, data, loss, metrics) in the task.
 """
 

@@ -1,4 +1,4 @@
-"""Model architectures only: plain nn.Modules, no distribution concerns (see parallel.py)."""
+"""Model architectures only: plain nn.Modules, no distribution concerns (see relay/parallel/)."""
 
 from __future__ import annotations
 

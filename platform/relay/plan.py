@@ -19,10 +19,10 @@ Per rank, with N workers (P, G, O: full parameter, gradient and optimizer bytes;
   zero1  P + G + O/N + A        optimizer state sharded (ZeroRedundancyOptimizer)
   fsdp   (P + G + O)/N + W + A  everything sharded; W is what is gathered at once in the compute
                                 dtype: the root's own parameters (embeddings, tied head, final
-                                norm: parallel.py keeps them gathered for the step) plus the
+                                norm: parallel/fsdp.py keeps them gathered for the step) plus the
                                 largest unit's — or every parameter with
                                 `reshard_after_forward: false`. With N = 1, fsdp does not shard
-                                (parallel.py), so it costs what ddp does.
+                                (parallel/engine.py), so it costs what ddp does.
 
 "/N" is what the fullest rank really gets, as torch splits, not an even split (tests/test_plan.py
 checks the figures against the bytes a real `parallel.Engine` holds):
@@ -322,7 +322,7 @@ def per_rank(
     gathered = 0
     if strategy == "zero1":
         o = state.zero1_optimizer_bytes(workers)
-    elif strategy == "fsdp" and workers > 1:  # one worker: parallel.py does not shard
+    elif strategy == "fsdp" and workers > 1:  # one worker: relay.parallel does not shard
         p, o = state.fsdp_rank0_bytes(workers)
         g = p
         at_once = (

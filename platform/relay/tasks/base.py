@@ -179,7 +179,7 @@ class Task(ABC):
 
     @abstractmethod
     def build_model(self) -> nn.Module:
-        """A plain nn.Module (no distribution wrappers); parallel.py wraps it."""
+        """A plain nn.Module (no distribution wrappers); relay.parallel wraps it."""
 
     @abstractmethod
     def load_data(self, val_fraction: float, seed: int) -> Split:
