@@ -263,6 +263,22 @@ def startup(f: dict[str, Any]) -> str:
     )
 
 
+def memory_wall(f: dict[str, Any]) -> str:
+    def growth(strategy: str, workers: int) -> str:
+        (run,) = [r for r in f["runs"] if (r["strategy"], r["workers"]) == (strategy, workers)]
+        fullest = max(run["growth_bytes_per_rank"])
+        return f"{mib(fullest)} (plan {mib(run['plan_total_bytes'])})"
+
+    return (
+        f"peak RSS growth of the fullest rank, fsdp/ddp: **{ratio(f['fsdp_over_ddp_growth_2'])}** "
+        f"at 2 workers, **{ratio(f['fsdp_over_ddp_growth_4'])}** at 4 (zero1/ddp "
+        f"{ratio(f['zero1_over_ddp_growth_2'])}, {ratio(f['zero1_over_ddp_growth_4'])}); ddp "
+        f"{growth('ddp', 2)}, fsdp {growth('fsdp', 2)} at 2, fsdp {growth('fsdp', 4)} at 4; "
+        f"checkpoint save at 2 workers gathered {seconds(f['save_gathered_s'])} vs sharded "
+        f"{seconds(f['save_sharded_s'])} (**{ratio(f['save_sharded_over_gathered'])}**)"
+    )
+
+
 def ingest(f: dict[str, Any]) -> str:
     rates = f["rows_per_s"]
     return (
@@ -282,6 +298,10 @@ TABLE = {
     ),
     "scaling": ("1 → 2 workers, relay and plain torchrun side by side", scaling),
     "strategies": ("ddp / zero1 / fsdp × fp32 / bf16 on 2 workers", strategies),
+    "memory_wall": (
+        "a 63 M-parameter MLP: memory per rank by strategy at 2 and 4 workers; save times",
+        memory_wall,
+    ),
     "asha_vs_random": ("ASHA vs no stopping over the same random trials", asha_vs_random),
     "startup": (
         "per-run start-up: a Tune trial and a run vs a bare TorchTrainer; switches vs Ray's",

@@ -33,6 +33,7 @@ BENCHES: dict[str, list[str]] = {
     "train_overhead": ["bench/train_overhead.py"],
     "scaling": ["bench/scaling.py"],
     "strategies": ["bench/strategies.py"],
+    "memory_wall": ["bench/memory_wall.py"],
     "asha_vs_random": ["bench/asha_vs_random.py"],
     "startup": ["bench/startup.py"],
     "search_algorithms": ["bench/search_algorithms.py"],

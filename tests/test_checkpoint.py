@@ -82,3 +82,72 @@ def test_mismatched_model_is_refused(tmp_path):
     other = build_task("regression", "debug").build_model()
     with pytest.raises((ValueError, RuntimeError)):
         checkpoint.load_weights(tmp_path, other)
+
+
+def _sharded(directory, name: str = "charlm"):
+    """A sharded checkpoint as one rank writes it (DCP without a process group), with the
+    trained model it holds."""
+    from relay.config import OptimConfig, ParallelConfig
+    from relay.epochs import optimizer_spec
+    from relay.parallel import Engine
+
+    task, model, optimizer, scheduler = _trained(name)
+    engine = Engine(model, ParallelConfig(), *optimizer_spec(OptimConfig()))
+    engine.optimizer.load_state_dict(optimizer.state_dict())
+    engine.save_sharded(directory / checkpoint.SHARDS)
+    checkpoint.save_state(
+        directory,
+        weights=None,
+        scheduler=scheduler.state_dict(),
+        meta={"epoch": 3, "metrics": {}, "config": {"task": name, "size": "debug"}},
+    )
+    return task, model
+
+
+def test_whole_weights_stream_from_shards_as_the_model_holds_them(tmp_path):
+    from safetensors.torch import load_file
+
+    task, model = _sharded(tmp_path)
+    assert checkpoint.read_meta(tmp_path)["format"] == "sharded"
+    assert not (tmp_path / checkpoint.WEIGHTS).exists()
+    checkpoint.validate(tmp_path)  # whole without the weights file
+
+    loaded = checkpoint.load_weights(tmp_path, task.build_model())  # makes the file first
+    expected = {k: v for k, v in model.state_dict().items() if k != "head.weight"}  # tied
+    made = load_file(tmp_path / checkpoint.WEIGHTS)  # safetensors' own reader
+    assert sorted(made) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(made[key], value), key
+        assert torch.equal(loaded.state_dict()[key], value), key
+    assert loaded.head.weight is loaded.tok_emb.weight  # the tie survives
+    assert not list(tmp_path.glob(".*partial"))  # no temporary file left behind
+
+
+def test_a_damaged_shard_is_named(tmp_path):
+    _sharded(tmp_path)
+    shard = tmp_path / checkpoint.SHARDS / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=r"__0_0\.distcp: cut short"):
+        checkpoint.validate(tmp_path)
+    shard.unlink()
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=r"__0_0\.distcp: missing"):
+        checkpoint.validate(tmp_path)
+
+
+def test_a_shard_index_that_names_code_is_refused_without_running_it(tmp_path):
+    import os
+    import pickle
+
+    _sharded(tmp_path)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (tmp_path / checkpoint.SHARDS / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=r"names posix\.system"):
+        checkpoint.validate(tmp_path)
+    with pytest.raises(ValueError, match=r"names posix\.system"):
+        checkpoint.load_weights(tmp_path, build_task("charlm", "debug").build_model())
+    assert not marker.exists()

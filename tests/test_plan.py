@@ -250,3 +250,39 @@ def test_bad_flags_exit_2_naming_them(capsys):
     assert "--workers" in capsys.readouterr().err
     assert main(["plan", CHARLM, "--set", "parallel.strategy=zero3"]) == 2
     assert "parallel.strategy" in capsys.readouterr().err
+
+
+_FLOPS_PROBE = """
+import json, resource
+from torch import nn
+from relay.efficiency import model_flops_per_sample
+from relay.tasks import build_task
+task = build_task("digits", "default", {"hidden": [8192] * 8}, None)
+batch = task.first_rows(task.load_data(0.1, 0).train, 8)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+flops = model_flops_per_sample(task, batch)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+import torch
+with torch.device("meta"):
+    linears = [m for m in task.build_model().modules() if isinstance(m, nn.Linear)]
+print(json.dumps({"flops": flops, "growth": after - before,
+                  "weights": sum(m.weight.numel() for m in linears),
+                  "first": linears[0].weight.numel()}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_model_flops_are_counted_without_building_the_model():
+    """The efficiency report counts model FLOPs on rank 0 after training: on a copy made of
+    fake tensors, so a rank that holds 1/N of a large model never holds it whole as well."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FLOPS_PROBE],
+        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=100, check=True,
+    )  # fmt: skip
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    # An MLP's forward + backward: 6 FLOPs per weight per sample (2 forward, 2 for the weight's
+    # gradient, 2 for the input's), less the input's gradient at the first layer (the data).
+    assert probe["flops"] == 6 * probe["weights"] - 2 * probe["first"]
+    # 470 M parameters: 1.9 GB of weights alone, were they real.
+    assert probe["weights"] > 450e6
+    assert probe["growth"] < 200 * 2**20, probe

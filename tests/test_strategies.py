@@ -9,6 +9,7 @@ checkpointing must change nothing, and state saved under one strategy must resum
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ STEPS = 4
 def _engine_runs(_config: dict) -> dict | None:
     import torch
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from relay import footprint, parallel
     from relay.config import OptimConfig, ParallelConfig
@@ -36,6 +38,7 @@ def _engine_runs(_config: dict) -> dict | None:
     task = build_task("charlm", "debug", {"n_layer": 2, "dropout": 0.0})
     tokens = torch.as_tensor(task.load_data(0.2, 0).train["tokens"]).long()
     rank, world = parallel.rank(), parallel.world_size()
+    shards = Path(_config["shards"])  # on this one machine, every rank sees it
     spec = optimizer_spec(OptimConfig(lr=0.003, weight_decay=0.1))
 
     def rows(step: int) -> torch.Tensor:
@@ -96,11 +99,30 @@ def _engine_runs(_config: dict) -> dict | None:
         out["weights"][name] = {k: v.numpy() for k, v in state["weights"].items()}
         if name == "fsdp":
             saved = state
+            engine.save_sharded(shards)  # every rank writes its own shards, nothing gathered
+            out["shard_files"] = sorted(p.name for p in shards.iterdir())
             out["losses"]["continued_fsdp"] = train(engine, range(STEPS, STEPS + 2))
-    # Resume fsdp's state under each strategy (and continue ddp itself) for two more steps.
+    # fsdp with the model built on the meta device: each rank materialises its own shards.
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        on_meta = task.build_model()
+    engine = parallel.Engine(on_meta, variants["fsdp"], *spec)
+    # The weights alone (engine.full_state would also make torch initialise Adam's state, with
+    # a step of its own that changes the steps after it).
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    initial = get_model_state_dict(engine.model, options=options)
+    out["meta_initial_weights"] = {k: v.numpy() for k, v in initial.items()}
+    out["losses"]["fsdp_meta"] = train(engine, range(STEPS))
+    # Resume fsdp's state under each strategy for two more steps: from the full state gathered
+    # on rank 0, and from the shards (into a model initialised otherwise, so nothing is left
+    # from before the load).
     for name in ("ddp", "zero1", "fsdp"):
         engine = build(variants[name], saved)
         out["losses"][f"resumed_{name}"] = train(engine, range(STEPS, STEPS + 2))
+        torch.manual_seed(1)
+        engine = parallel.Engine(task.build_model(), variants[name], *spec)
+        engine.load_sharded(shards)
+        out["losses"][f"resumed_{name}_from_shards"] = train(engine, range(STEPS, STEPS + 2))
     out["optimizer_params"] = sorted(saved["optimizer"]["state"])
     return out if rank == 0 else None
 
@@ -112,6 +134,7 @@ def runs(ray_cluster, tmp_path_factory):
 
     trainer = TorchTrainer(
         _engine_runs,
+        train_loop_config={"shards": str(tmp_path_factory.mktemp("engine-shards") / "fsdp")},
         scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=ray.train.RunConfig(
             name="engine-runs", storage_path=str(tmp_path_factory.mktemp("engine-runs"))
@@ -151,6 +174,30 @@ def test_state_saved_under_fsdp_resumes_under_any_strategy(runs, strategy):
     resumed = runs["losses"][f"resumed_{strategy}"]
     assert _close(resumed, runs["losses"]["continued_fsdp"]), runs["losses"]
     assert resumed[0] < runs["losses"]["fsdp"][0]  # it continued, not restarted
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
+def test_shards_written_by_each_fsdp_rank_resume_under_any_strategy(runs, strategy):
+    # One file per rank, each written by its rank, and the index; nothing gathered.
+    assert runs["shard_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    resumed = runs["losses"][f"resumed_{strategy}_from_shards"]
+    assert _close(resumed, runs["losses"]["continued_fsdp"]), runs["losses"]
+
+
+def test_fsdp_built_on_meta_starts_and_trains_as_a_whole_build(runs):
+    import torch
+
+    from relay.tasks import build_task
+
+    # The reference: the whole model built in this process under the same seed.
+    torch.manual_seed(0)
+    whole = build_task("charlm", "debug", {"n_layer": 2, "dropout": 0.0}).build_model()
+    expected = {k: v.numpy() for k, v in whole.state_dict().items()}
+    got = runs["meta_initial_weights"]
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        np.testing.assert_array_equal(got[key], value, err_msg=key)
+    assert runs["losses"]["fsdp_meta"] == runs["losses"]["fsdp"]
 
 
 def test_sharded_strategies_hold_less_per_rank(runs):

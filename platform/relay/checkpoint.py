@@ -1,20 +1,31 @@
-"""A checkpoint is a directory anyone can read:
+"""A checkpoint is a directory anyone can read, in one of two forms.
 
+Full (rank 0 gathers everything first; ddp and zero1, or `checkpoint.format: full`):
 model.safetensors   full weights of the plain module — data, never pickled code
 train_state.pt      optimizer state keyed by parameter name, scheduler and loss-scaler state
                     (tensors and numbers; loaded weights_only)
-meta.json           config, epoch, metrics, and the relay/ray/torch versions that wrote it
+
+Sharded (every rank writes its own part in parallel; fsdp by default):
+shards/             weights and optimizer state as torch.distributed.checkpoint writes them:
+                    one file per rank and an index, read safely (parallel/sharded.py)
+train_state.pt      scheduler and loss-scaler state
+model.safetensors   absent until made from the shards, tensor by tensor (consolidate.py), for
+                    serving and export; made for every registered version
+
+Both:
+meta.json           config, epoch, metrics, format, and the relay/ray/torch versions that wrote it
 (task assets)       whatever the task's `save_assets` adds: the Hugging Face tasks' config.json
                     and tokenizer files, which make the directory a Hugging Face model too
 
-Whatever strategy and worker count wrote it (ddp, zero1 and fsdp gather their shards on rank 0
-first), the format is the same: a run resumes under another strategy or worker count with
-weights, optimizer moments, schedule position and epoch all kept, and Serve loads it unchanged.
+Whatever strategy and worker count wrote it, a run resumes from either form under another
+strategy or worker count with weights, optimizer moments, schedule position and epoch all kept,
+and Serve loads it unchanged.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +39,22 @@ from torch import nn
 WEIGHTS = "model.safetensors"
 TRAIN_STATE = "train_state.pt"
 META = "meta.json"
+SHARDS = "shards"
+
+
+def is_sharded(directory: str | Path) -> bool:
+    return (Path(directory) / SHARDS).is_dir()
+
+
+def files(directory: str | Path) -> list[Path]:
+    """The files that make the checkpoint, relative to it (task assets aside)."""
+    directory = Path(directory)
+    names = [Path(TRAIN_STATE), Path(META)]
+    if (directory / WEIGHTS).exists():
+        names.insert(0, Path(WEIGHTS))
+    if is_sharded(directory):
+        names += sorted(p.relative_to(directory) for p in (directory / SHARDS).iterdir())
+    return names
 
 
 def versions() -> dict[str, str]:
@@ -73,19 +100,25 @@ def save(
 def save_state(
     directory: str | Path,
     *,
-    weights: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor] | None,
     optimizer: dict[str, Any] | None = None,
     scheduler: dict[str, Any] | None = None,
     scaler: dict[str, Any] | None = None,
     meta: dict[str, Any],
 ) -> Path:
-    """Write full weights and name-keyed train state (see `parallel.Engine.full_state`)."""
+    """Write full weights and name-keyed train state (see `parallel.Engine.full_state`); with
+    `weights` None, the rest of a sharded checkpoint whose shards/ the ranks wrote
+    (`parallel.Engine.save_sharded`). meta.json goes last: its presence marks the whole."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, directory / WEIGHTS)
+    if weights is not None:
+        tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+        save_file(tensors, directory / WEIGHTS)
     train_state = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
     torch.save({k: v for k, v in train_state.items() if v}, directory / TRAIN_STATE)
-    (directory / META).write_text(json.dumps({**meta, "versions": versions()}, indent=2))
+    form = "full" if weights is not None else "sharded"
+    content = {**meta, "format": form, "versions": versions()}
+    (directory / META).write_text(json.dumps(content, indent=2))
     return directory
 
 
@@ -117,8 +150,11 @@ def optimizer_state_by_index(named: dict[str, Any], names: list[str]) -> dict[st
 
 
 def load_weights(directory: str | Path, module: nn.Module) -> nn.Module:
-    """Load weights into `module` in place; only tied aliases may be absent from the file."""
-    state = load_file(Path(directory) / WEIGHTS)
+    """Load weights into `module` in place; only tied aliases may be absent from the file. A
+    sharded checkpoint's whole weights are made first if they are not yet."""
+    from relay.consolidate import consolidate
+
+    state = load_file(consolidate(directory))
     missing, unexpected = module.load_state_dict(state, strict=False)
     really_missing = [name for name in missing if name not in tied_aliases(module)]
     if really_missing or unexpected:
@@ -149,16 +185,20 @@ def validate(directory: str | Path) -> Path:
     if not directory.is_dir():
         raise CorruptCheckpoint(f"{directory}: checkpoint directory not found")
     weights, train_state, meta = directory / WEIGHTS, directory / TRAIN_STATE, directory / META
-    for path in (weights, train_state, meta):
+    sharded = is_sharded(directory)
+    for path in (train_state, meta) if sharded else (weights, train_state, meta):
         if not path.is_file():
             raise CorruptCheckpoint(f"{path}: missing from the checkpoint")
-    try:
-        with safe_open(weights, framework="pt") as f:  # reads the header; checks it covers
-            f.keys()  # the file exactly (a truncated file does not)
-    except (SafetensorError, OSError) as exc:
-        raise CorruptCheckpoint(
-            f"{weights}: unreadable safetensors file ({_one_line(exc)})"
-        ) from None
+    if sharded:
+        _validate_shards(directory / SHARDS)
+    if weights.exists() or not sharded:
+        try:
+            with safe_open(weights, framework="pt") as f:  # reads the header; checks it covers
+                f.keys()  # the file exactly (a truncated file does not)
+        except (SafetensorError, OSError) as exc:
+            raise CorruptCheckpoint(
+                f"{weights}: unreadable safetensors file ({_one_line(exc)})"
+            ) from None
     try:
         size = train_state.stat().st_size
         with zipfile.ZipFile(train_state) as archive:
@@ -178,6 +218,28 @@ def validate(directory: str | Path) -> Path:
     if not isinstance(content.get("epoch"), int):
         raise CorruptCheckpoint(f"{meta}: no 'epoch' number")
     return directory
+
+
+def _validate_shards(shards: Path) -> None:
+    """The index reads (safely), and every file it points into is there and long enough."""
+    from relay.parallel.sharded import UnsafeCheckpoint, read_index
+
+    try:
+        index = read_index(shards)
+    except (UnsafeCheckpoint, pickle.UnpicklingError, EOFError, OSError, AttributeError) as exc:
+        raise CorruptCheckpoint(
+            f"{shards / '.metadata'}: unreadable shard index ({_one_line(exc)})"
+        ) from None
+    ends: dict[str, int] = {}
+    for stored in (index.storage_data or {}).values():
+        end = stored.offset + stored.length
+        ends[stored.relative_path] = max(end, ends.get(stored.relative_path, 0))
+    for name, end in sorted(ends.items()):
+        path = shards / name
+        if not path.is_file():
+            raise CorruptCheckpoint(f"{path}: missing from the checkpoint")
+        if path.stat().st_size < end:
+            raise CorruptCheckpoint(f"{path}: cut short ({path.stat().st_size} of {end} bytes)")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -204,7 +266,7 @@ def latest_registered(run_dir: str | Path) -> tuple[Path, int | None] | None:
 
 @dataclass
 class TrainState:
-    optimizer: dict[str, Any] | None  # keyed by parameter name
+    optimizer: dict[str, Any] | None  # keyed by parameter name; None in a sharded checkpoint
     scheduler: dict[str, Any] | None
     scaler: dict[str, Any] | None
 

@@ -119,6 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
     models.add_argument("--json", action="store_true", help="print JSON")
 
+    export = sub.add_parser(
+        "export",
+        help="a model's whole weights (model.safetensors, streamed from a sharded checkpoint's "
+        "shards tensor by tensor) with its meta.json and task assets",
+    )
+    export.add_argument(
+        "ref",
+        help="model reference (name, name:VERSION, name:ALIAS), run id or checkpoint directory",
+    )
+    export.add_argument(
+        "-o", "--out", help="new or empty directory to write (default: beside the shards)"
+    )
+    export.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
+
     runs = sub.add_parser(
         "runs",
         help="list recorded runs (newest first); `show RUN`; `logs RUN [-f]`; `compare A B`; "
@@ -633,6 +647,23 @@ def _models_show(storage: Path, ref: str, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from relay import checkpoint, consolidate, registry
+
+    storage = config_mod.resolve_storage(args.storage)
+    try:
+        found = registry.resolve_model(storage, args.ref)
+        path = consolidate.export(found.checkpoint, args.out)
+    except KeyError as exc:
+        return _fail(f"export: {exc.args[0]}", EXIT_USAGE)
+    except checkpoint.CorruptCheckpoint as exc:
+        return _fail(f"export: {args.ref}: damaged checkpoint: {exc}", EXIT_FAILED)
+    except OSError as exc:
+        return _fail(f"export: cannot write {args.out or found.checkpoint}: {exc}", EXIT_USAGE)
+    print(path)
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from relay import checkpoint, report, sweep_records
 
@@ -688,6 +719,7 @@ COMMANDS = {
     "reference": _cmd_reference,
     "report": _cmd_report,
     "models": _cmd_models,
+    "export": _cmd_export,
     "serve": serving.cmd_serve,
     "deploy": serving.cmd_deploy,
     "tokenizer": _cmd_tokenizer,

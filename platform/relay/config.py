@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import (
     BaseModel,
+    ByteSize,
     ConfigDict,
     Field,
     ValidationError,
@@ -74,6 +75,14 @@ class ScalingConfig(_Section):
         None,
         ge=1,
         description="torch intra-op threads per worker; null: the worker's reserved CPUs.",
+    )
+
+    memory_per_worker: ByteSize | None = Field(
+        None,
+        description="A hard limit, enforced by the OS, on the memory each worker may allocate "
+        "for training (model, gradients, optimizer state, activations), e.g. 1.5GiB: a cgroup "
+        "per worker where Linux allows, else RLIMIT_DATA; a worker past it is ended and the run "
+        "fails naming its rank. null: no limit.",
     )
 
     @field_validator("num_workers", mode="before")
@@ -165,6 +174,12 @@ class ParallelConfig(_Section):
         "(less memory, ~1/3 more compute).",
     )
     compile: bool = Field(False, description="torch.compile the model (slow first step).")
+    meta_init: bool = Field(
+        True,
+        description="fsdp only: build the model on the meta device and materialise only this "
+        "rank's shards, one module at a time (the same values as a whole build); models "
+        "without relay's per-module init (the Hugging Face tasks') are built whole.",
+    )
 
     @field_validator("mixed_precision")
     @classmethod
@@ -185,6 +200,17 @@ class CheckpointConfig(_Section):
     mode: Literal["min", "max"] | None = Field(
         None, description="Whether higher (max) or lower (min) `metric` is better; null: task's."
     )
+    format: Literal["auto", "full", "sharded"] = Field(
+        "auto",
+        description="full: rank 0 gathers and writes whole weights and optimizer state; "
+        "sharded: every rank writes its own shards in parallel (torch.distributed.checkpoint; "
+        "resumes on any worker count and strategy; whole weights made on demand for serving); "
+        "auto: sharded with fsdp, full otherwise.",
+    )
+
+    def sharded(self, strategy: str) -> bool:
+        """Whether this run's checkpoints are written shard by shard (see `format`)."""
+        return self.format == "sharded" or (self.format == "auto" and strategy == "fsdp")
 
 
 class FailureConfig(_Section):
@@ -398,6 +424,11 @@ class RunConfig(_Section):
             self.checkpoint.metric = task_cls.metric
         if self.checkpoint.mode is None:
             self.checkpoint.mode = task_cls.mode
+        if self.checkpoint.format == "sharded" and self.parallel.strategy == "zero1":
+            # ZeroRedundancyOptimizer's state is not a torch.distributed.checkpoint state dict.
+            raise ValueError(
+                "checkpoint.format: sharded checkpoints need strategy ddp or fsdp, not zero1"
+            )
         return self
 
     def storage_path(self) -> Path:

@@ -99,8 +99,14 @@ def measure(
 
     # Gradients of the last step are still allocated: this is the state a step holds.
     state = footprint.state_bytes(engine.model, engine.optimizer)
-    timings = engine.time_micro_steps(lambda: task.loss_and_stats(engine.model, batch)[0])
-    memory = parallel.peak_memory()
+    memory = parallel.peak_memory()  # training's: before the probes below add their own
+    # fsdp's unsynchronised pass holds whole gradients (nothing reduce-scatters them): past a
+    # worker's hard memory limit that would end it after training succeeded, so there only
+    # the synchronised pass is timed.
+    sync_only = bool(cfg.scaling.memory_per_worker) and cfg.parallel.strategy == "fsdp"
+    timings = engine.time_micro_steps(
+        lambda: task.loss_and_stats(engine.model, batch)[0], sync_only=sync_only
+    )
     dtype = engine.compute_dtype
     parallel.barrier()  # every rank measures its peak at once: the cores are shared as in training
     peak = matmul_peak(dtype)
@@ -157,16 +163,31 @@ def _cpu_attention_flops() -> dict:
 def model_flops_per_sample(task: Task, batch: Batch) -> float:
     """FLOPs of one forward + backward per sample, counted by torch on a plain copy of the
     model (so activation recomputation does not count: this is *model* FLOPs). Matmuls,
-    convolutions and attention count; elementwise ops and normalisation do not."""
+    convolutions and attention count; elementwise ops and normalisation do not.
+
+    The copy is made of fake tensors (torch's FakeTensorMode: shapes and devices, no storage),
+    so rank 0 does not hold a whole second model beside its shards. Not the `meta` device:
+    there attention runs as the math kernel's matmuls instead of CPU's flash kernel, whose
+    backward also recomputes the scores — fake CPU tensors dispatch as real ones do (the same
+    counts, tested). A forward that needs real values falls back to a real copy."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode  # no public equivalent
     from torch.utils.flop_counter import FlopCounterMode
 
     from relay import parallel
 
-    model = task.build_model().to(parallel.device())
-    with FlopCounterMode(display=False, custom_mapping=_cpu_attention_flops()) as counter:
-        loss, stats = task.loss_and_stats(model, batch)
-        loss.backward()
-    return counter.get_total_flops() / float(stats["count"])
+    def count(model: torch.nn.Module, batch: Batch) -> float:
+        with FlopCounterMode(display=False, custom_mapping=_cpu_attention_flops()) as counter:
+            loss, stats = task.loss_and_stats(model, batch)
+            loss.backward()
+        return counter.get_total_flops() / float(stats["count"])
+
+    try:
+        with FakeTensorMode() as fake, torch.device(parallel.device()):
+            fakes = {key: fake.from_tensor(value) for key, value in batch.items()}
+            return count(task.build_model(), fakes)
+    except Exception:  # e.g. data-dependent control flow in a model's forward
+        return count(task.build_model().to(parallel.device()), batch)
 
 
 def _mean(values: list[float]) -> float:
@@ -179,8 +200,9 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
     samples_per_s = steady["samples"] / steady["seconds"]
     units_per_s = steady["units"] / steady["seconds"]
     step_s = steady["seconds"] / steady["steps"]
-    local_s = _mean([r["local_step_s"] for r in ranks])
     synced_s = _mean([r["synced_step_s"] for r in ranks])
+    comm_measured = all(r["local_step_s"] is not None for r in ranks)
+    local_s = _mean([r["local_step_s"] for r in ranks]) if comm_measured else synced_s
     # The probe is one full micro-batch; training steps average in each epoch's shorter last
     # batch, so compute scales to the mean samples per micro-batch actually trained.
     mean_micro_batch = steady["samples"] / world / steady["steps"] / cfg.parallel.grad_accum
@@ -215,7 +237,10 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
             "other_s": max(0.0, step_s - compute_s - comm_s),
             "comm_fraction": comm_s / (compute_s + comm_s) if compute_s + comm_s else 0.0,
             # fsdp's parameter all-gathers run in both timings, so they count as compute.
-            "method": "same micro-batch timed with and without gradient synchronisation",
+            "method": "same micro-batch timed with and without gradient synchronisation"
+            if comm_measured
+            else "not measured (fsdp under scaling.memory_per_worker): comm counts as compute",
+            "comm_measured": comm_measured,
         },
         "flops": {
             "model_flops_per_sample": flops_per_sample,
@@ -400,7 +425,11 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(
         f"  step         {s['step_s'] * 1e3:.1f} ms = compute {s['compute_s'] * 1e3:.1f} + "
         f"grad comm {s['comm_s'] * 1e3:.1f} + other {s['other_s'] * 1e3:.1f} "
-        f"(comm {s['comm_fraction']:.0%} of compute+comm)"
+        + (
+            f"(comm {s['comm_fraction']:.0%} of compute+comm)"
+            if s.get("comm_measured", True)
+            else "(comm not measured: counted as compute)"
+        )
     )
     lines.append(_flops_line(f))
     for r in m["per_rank"]:

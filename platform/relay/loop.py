@@ -10,9 +10,11 @@ problem-specific parts (model, data, loss, metrics) in the task.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,22 +23,64 @@ import ray.train.torch
 import torch
 from torch import nn
 
-from relay import checkpoint, efficiency, history, ingest, parallel, worker_logs
+from relay import (
+    checkpoint,
+    efficiency,
+    history,
+    ingest,
+    models,
+    parallel,
+    worker_logs,
+    worker_memory,
+)
 from relay.config import RunConfig
 from relay.epochs import Epochs, build_scheduler, fast_forward, optimizer_spec, steps_per_epoch
 from relay.tasks import build_task
 
 
-def _restore(model: nn.Module, ckpt: ray.train.Checkpoint | None) -> tuple[int, Any]:
-    """Load the latest checkpoint's full weights into the plain model (before any strategy
-    wraps or shards it); returns (next epoch, train state)."""
+@contextlib.contextmanager
+def _opened(ckpt: ray.train.Checkpoint | None) -> Iterator[Path | None]:
     if ckpt is None:
-        return 1, None
+        yield None
+        return
     with ckpt.as_directory() as directory:
+        yield Path(directory)
+
+
+def _build_model(task, cfg: RunConfig, directory: Path | None) -> nn.Module:
+    """The plain model: on the `meta` device (no storage) when fsdp will materialise only this
+    rank's shards of it (`parallel.meta_init`), else whole. Meta needs the model's per-module
+    init (models.init_seeded), no buffers (they would be left empty), and no whole-weights
+    checkpoint to start from (those load before sharding)."""
+    whole_checkpoint = directory is not None and not checkpoint.is_sharded(directory)
+    shards_it = cfg.parallel.strategy == "fsdp" and parallel.distributed()
+    if cfg.parallel.meta_init and shards_it and not whole_checkpoint:
+        with torch.device("meta"):
+            model = task.build_model()
+        if models.seeded(model) and not any(True for _ in model.buffers()):
+            return model
+    return task.build_model()
+
+
+def _build_engine(
+    model: nn.Module, cfg: RunConfig, directory: Path | None
+) -> tuple[parallel.Engine, int, Any]:
+    """The model wrapped for the configured strategy, with the state of the checkpoint at
+    `directory` (if any) loaded; returns (engine, next epoch, train state).
+
+    Whole weights load into the plain model before the strategy wraps or shards it; shards
+    load after, each rank reading only what it now holds (resharded from whatever worker count
+    and strategy wrote them)."""
+    sharded = directory is not None and checkpoint.is_sharded(directory)
+    if directory is not None and not sharded:
         checkpoint.load_weights(directory, model)
-        meta = checkpoint.read_meta(directory)
-        state = checkpoint.load_train_state(directory)
-    return meta["epoch"] + 1, state
+    engine = parallel.Engine(model, cfg.parallel, *optimizer_spec(cfg.optim))
+    if directory is None:
+        return engine, 1, None
+    if sharded:
+        engine.load_sharded(directory / checkpoint.SHARDS)  # a collective
+    epoch = checkpoint.read_meta(directory)["epoch"]
+    return engine, epoch + 1, checkpoint.load_train_state(directory)
 
 
 def _start_checkpoint(loop_config: dict[str, Any]) -> ray.train.Checkpoint | None:
@@ -63,7 +107,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     What the worker prints is also kept in the run's logs/ (`relay runs logs`)."""
     run_dir = Path(loop_config["run_dir"])
     with worker_logs.captured(run_dir, parallel.rank(), parallel.world_size()):
-        return _train(loop_config)
+        try:
+            return _train(loop_config)
+        except (MemoryError, RuntimeError) as exc:
+            # Under RLIMIT_DATA (worker_memory) an allocation past the limit fails in torch.
+            limit = RunConfig.model_validate(loop_config["run"]).scaling.memory_per_worker
+            if limit and ("allocate" in str(exc) or isinstance(exc, MemoryError)):
+                limit_text = limit.human_readable()
+                raise worker_memory.OutOfMemory(
+                    f"rank {parallel.rank()}: out of memory at its limit of {limit_text}"
+                ) from exc
+            raise
 
 
 def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
@@ -72,16 +126,23 @@ def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     memory_at_start = parallel.current_memory()  # the worker process before any training state
     cfg = RunConfig.model_validate(loop_config["run"])
     run_dir = Path(loop_config["run_dir"])
+    confined = None
+    if cfg.scaling.memory_per_worker:  # before anything of the run is built
+        confined = worker_memory.confine(
+            int(cfg.scaling.memory_per_worker), run_dir.name, parallel.rank()
+        )
+        print(f"rank {parallel.rank()}: memory limited by {confined.mechanism} ({confined.where})")
     parallel.set_threads(cfg.scaling.threads_per_worker, loop_config["cpus_per_worker"])
 
     # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
-    model = task.build_model()
-    start_epoch, train_state = _restore(model, _start_checkpoint(loop_config))
     # Before any rank can checkpoint again (the engine's set-up is a collective).
     _remove_orphaned_staging(run_dir)
-    engine = parallel.Engine(model, cfg.parallel, *optimizer_spec(cfg.optim))
+    with _opened(_start_checkpoint(loop_config)) as directory:
+        model = _build_model(task, cfg, directory)
+        torch.manual_seed(cfg.seed)  # dropout's stream, however the model was built
+        engine, start_epoch, train_state = _build_engine(model, cfg, directory)
 
     # The world size is known only here: an elastic run may restart with fewer workers.
     steps = steps_per_epoch(
@@ -89,7 +150,8 @@ def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     )
     scheduler = build_scheduler(cfg.schedule, engine.optimizer, steps, cfg.epochs)
     if train_state is not None:
-        engine.load_optimizer_state(train_state.optimizer)
+        if train_state.optimizer is not None:  # a full checkpoint's (a sharded one's is loaded)
+            engine.load_optimizer_state(train_state.optimizer)
         engine.load_scaler_state(train_state.scaler)
         _config_hyperparameters_win(engine.optimizer, cfg)
         # The schedule's position follows from the epoch, not from the saved step count: a run
@@ -135,11 +197,14 @@ def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
         "loop_started_at": loop_started_at,
         "data_ready_at": data_ready_at,
         "first_step_at": epochs.first_step_at,
+        "memory_limit": confined
+        and {"mechanism": confined.mechanism, "bytes": confined.limit_bytes},
     }
 
 
 def _staging_prefix(run_dir: Path) -> str:
-    """Rank 0 writes each checkpoint to a local temp dir that Ray Train copies to storage."""
+    """Each rank writes its part of a checkpoint to a local temp dir that Ray Train copies to
+    storage (merging the ranks' parts into one directory)."""
     return f"relay-ckpt-{run_dir.name}-"
 
 
@@ -151,33 +216,40 @@ def _remove_orphaned_staging(run_dir: Path) -> None:
 
 
 def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, scheduler, task):
-    """Report an epoch; every rank calls `ray.train.report` (a collective), rank 0 alone
-    attaches the checkpoint and appends the epoch to the run's history."""
+    """Report an epoch; every rank calls `ray.train.report` (a collective). Rank 0 appends the
+    epoch to the run's history and writes the checkpoint's meta; the weights and optimizer
+    state come gathered from rank 0 (full) or from every rank in parallel (sharded)."""
     if parallel.is_main():
         history.append(run_dir, metrics)
     if not (epoch % cfg.checkpoint.every == 0 or epoch == cfg.epochs):
         ray.train.report(metrics)
         return
-    weights, optimizer_state = engine.full_state()  # a collective: shards gather on rank 0
-    if not parallel.is_main():
-        ray.train.report(metrics)
-        return
+    sharded = cfg.checkpoint.sharded(cfg.parallel.strategy)
+    weights, optimizer_state = None, None
+    if not sharded:
+        weights, optimizer_state = engine.full_state()  # a collective: shards gather on rank 0
+        if not parallel.is_main():
+            ray.train.report(metrics)
+            return
     with tempfile.TemporaryDirectory(prefix=_staging_prefix(run_dir)) as tmp:
-        task.save_assets(Path(tmp))  # before meta.json, which save_state writes last
-        checkpoint.save_state(
-            tmp,
-            weights=weights,
-            optimizer=optimizer_state,
-            scheduler=scheduler.state_dict(),
-            scaler=engine.scaler_state(),
-            meta={
-                "epoch": epoch,
-                "metrics": metrics,
-                "config": cfg.model_dump(mode="json"),
-                "strategy": cfg.parallel.strategy,
-                "workers": parallel.world_size(),
-            },
-        )
+        if sharded:
+            engine.save_sharded(Path(tmp) / checkpoint.SHARDS)  # a collective
+        if parallel.is_main():
+            task.save_assets(Path(tmp))  # before meta.json, which save_state writes last
+            checkpoint.save_state(
+                tmp,
+                weights=weights,
+                optimizer=optimizer_state,
+                scheduler=scheduler.state_dict(),
+                scaler=engine.scaler_state(),
+                meta={
+                    "epoch": epoch,
+                    "metrics": metrics,
+                    "config": cfg.model_dump(mode="json"),
+                    "strategy": cfg.parallel.strategy,
+                    "workers": parallel.world_size(),
+                },
+            )
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(tmp),

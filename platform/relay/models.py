@@ -1,12 +1,62 @@
-"""Model architectures only: plain nn.Modules, no distribution concerns (see relay/parallel/)."""
+"""Model architectures only: plain nn.Modules, no distribution concerns (see relay/parallel/).
+
+Initialisation is per module and seeded by the module's name (`init_seeded`): each module that
+owns parameters draws them from its own generator, seeded from the run's seed and its name,
+never from a stream shared with the modules built before it. So a module can be initialised on
+its own, in any order, and come out the same — which is what lets fsdp build a model on the
+`meta` device and materialise only its rank's shards, one module at a time, equal to what
+building the whole model would give (parallel/fsdp.py).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def module_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def modules_to_init(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules that own parameters, by name; a tied parameter belongs to the first."""
+    seen: set[int] = set()
+    owners = []
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        if own:
+            owners.append((name, module))
+            seen.update(id(p) for p in own)
+    return owners
+
+
+def init_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """(Re)initialise `module`'s own parameters as `model` initialises it (its `init_module`
+    rule, else the module's `reset_parameters`), from a generator seeded by its name and the
+    seed the model was built under (`model.init_seed`). The global RNG is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(module_seed(model.init_seed, name))
+        if hasattr(model, "init_module"):
+            model.init_module(name, module)
+        else:
+            module.reset_parameters()
+
+
+def init_seeded(model: nn.Module) -> None:
+    """Initialise every parameter of `model`, module by module (see the module docstring)."""
+    model.init_seed = torch.initial_seed()  # what torch.manual_seed last set
+    for name, module in modules_to_init(model):
+        init_module(model, name, module)
+
+
+def seeded(model: nn.Module) -> bool:
+    """Whether `model` was initialised by `init_seeded`, so a module can be re-made alone."""
+    return hasattr(model, "init_seed")
 
 
 class MLP(nn.Module):
@@ -30,6 +80,7 @@ class MLP(nn.Module):
             width = size
         layers.append(nn.Linear(width, out_features))
         self.net = nn.Sequential(*layers)
+        init_seeded(self)  # nn.Linear's own rule, per module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x * self.input_scale)
@@ -89,6 +140,7 @@ class CharTransformer(nn.Module):
         if d_model % n_head:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_head ({n_head})")
         self.block_size = block_size
+        self.n_layer = n_layer
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(block_size, d_model)
         self.drop = nn.Dropout(dropout)
@@ -96,19 +148,21 @@ class CharTransformer(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
-        self.apply(self._init_weights)
-        for name, param in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(param, std=0.02 / math.sqrt(2 * n_layer))
+        init_seeded(self)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """GPT-2's rule: N(0, 0.02) weights, zero biases, and the projections back into the
+        residual stream scaled down by sqrt(2 * n_layer)."""
         if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=0.02)
+            residual = name.endswith(("attn.proj", "mlp.2"))
+            std = 0.02 / math.sqrt(2 * self.n_layer) if residual else 0.02
+            nn.init.normal_(module.weight, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
+        else:
+            module.reset_parameters()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]

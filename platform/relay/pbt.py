@@ -168,7 +168,8 @@ def _tune_checkpoint(train_checkpoint: str, source: dict[str, Any]) -> Iterator[
     """A Tune checkpoint with the Train checkpoint's files (Tune copies it into the trial's
     directory, where it outlives the Train run's own checkpoint rotation) and its origin."""
     with tempfile.TemporaryDirectory(prefix="relay-pbt-") as tmp:
-        for name in (checkpoint.WEIGHTS, checkpoint.TRAIN_STATE, checkpoint.META):
+        for name in checkpoint.files(train_checkpoint):
+            (Path(tmp) / name).parent.mkdir(parents=True, exist_ok=True)
             _link_or_copy(Path(train_checkpoint) / name, Path(tmp) / name)
         (Path(tmp) / SOURCE).write_text(json.dumps(source))
         yield tune.Checkpoint.from_directory(tmp)

@@ -252,10 +252,10 @@ def resolve_model(storage: Path, ref: str) -> ResolvedModel:
 
 
 def _resolve_model(storage: Path, ref: str) -> ResolvedModel:
-    from relay.checkpoint import WEIGHTS
+    from relay.checkpoint import META
 
     as_path = Path(ref).expanduser()
-    if (as_path / WEIGHTS).exists():
+    if (as_path / META).exists():
         return ResolvedModel(as_path.resolve(), str(as_path.resolve()))
     name, _, selector = ref.partition(":")
     versions = list_versions(storage, name) if MODEL_NAME.match(name) else []

@@ -7,6 +7,7 @@ result.checkpoint                  # absolute path of the best checkpoint direct
 
 from __future__ import annotations
 
+import re
 import secrets
 import sys
 import time
@@ -19,11 +20,13 @@ from relay import (
     checkpoint,
     cluster,
     console,
+    consolidate,
     efficiency,
     history,
     registry,
     run_admin,
     tracking,
+    worker_memory,
 )
 from relay.config import ConfigError, RunConfig
 
@@ -46,6 +49,8 @@ class RunResult:
     # data); None when it trained none (e.g. resumed after its last epoch).
     startup_s: float | None = None
     efficiency: dict[str, Any] | None = None  # see relay.efficiency
+    # Under scaling.memory_per_worker: {"mechanism": "cgroup" | "rlimit", "bytes": the limit}.
+    memory: dict[str, Any] | None = None
 
     def to_json_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,7 +109,11 @@ def build_trainer(
 
 def register_model(cfg: RunConfig, run_id: str, checkpoint: str, metrics: dict, name: str | None):
     """Record a checkpoint as the next version of model `name` (default: the task's name);
-    with MLflow tracking, also in MLflow's Model Registry, from the run's MLflow run."""
+    with MLflow tracking, also in MLflow's Model Registry, from the run's MLflow run.
+
+    A sharded checkpoint gets its whole weights file first (streamed from the shards), so every
+    registered version is what Serve and Hugging Face tools load, with nothing to make later."""
+    consolidate.consolidate(checkpoint)
     storage = cfg.storage_path()
     version = registry.register_version(
         storage,
@@ -217,11 +226,18 @@ def fit(
             times["fit_called"] = time.time()
             result = trainer.fit()
     except BaseException as exc:
-        _record_failure(run_dir, record, exc)
+        wall = _memory_wall(cfg, run_id, exc)
+        _record_failure(run_dir, record, wall or exc)
         tracked.close("FAILED" if isinstance(exc, Exception) else "KILLED")
+        if wall:
+            raise wall from exc
         raise
+    finally:
+        if cfg.scaling.memory_per_worker:  # once Ray has ended the worker processes in them
+            worker_memory.release(run_id, cfg.scaling.max_workers)
 
     run = _run_result(cfg, run_id, run_dir, result)
+    run.memory = (result.return_value or {}).get("memory_limit")
     trained = [e for e in history.read_raw(run_dir) if e["time"] >= started]  # by this call
     run.efficiency = _efficiency(cfg, run_dir, times, result.return_value or {}, trained)
     if trained:  # a resumed run's history starts with epochs an earlier call trained
@@ -249,6 +265,7 @@ def fit(
             "replicas_in_sync": run.replicas_in_sync,
             "startup_s": run.startup_s,
             "model": run.model,
+            "memory_limit": run.memory,
             "efficiency": run.efficiency,
         },
         final=True,
@@ -261,6 +278,26 @@ def fit(
         if where := tracked.where():
             out.write(where + "\n")
     return run
+
+
+def _memory_wall(cfg: RunConfig, run_id: str, exc: BaseException) -> Exception | None:
+    """The out-of-memory a failed run under `scaling.memory_per_worker` ran into, as an error
+    that names the ranks, the limit and the way past it; None if the failure was another."""
+    limit = cfg.scaling.memory_per_worker
+    if not limit or not isinstance(exc, Exception):
+        return None
+    killed = worker_memory.ranks_killed(run_id, cfg.scaling.max_workers)  # by the OOM killer
+    refused = sorted(  # by RLIMIT_DATA: the worker raised OutOfMemory itself
+        {int(rank) for rank in re.findall(r"rank (\d+): out of memory at its limit", str(exc))}
+    )
+    ranks = killed or refused
+    if not ranks:
+        return None
+    return worker_memory.OutOfMemory(
+        f"out of memory on rank {', '.join(map(str, ranks))}: each worker may use "
+        f"{limit.human_readable()} (scaling.memory_per_worker) and "
+        f"{worker_memory.wall_advice(cfg)}"
+    )
 
 
 def failure_clock(run_dir: Path):

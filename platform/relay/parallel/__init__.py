@@ -32,6 +32,7 @@ from relay.parallel.hardware import current_memory, peak_memory
 from relay.parallel.ranks import (
     barrier,
     device,
+    distributed,
     gather_objects,
     is_main,
     rank,
@@ -52,6 +53,7 @@ __all__ = [
     "compile_model",
     "current_memory",
     "device",
+    "distributed",
     "gather_objects",
     "is_main",
     "peak_memory",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from relay import checkpoint
 from relay.config import ParallelConfig
 from relay.parallel.blocks import apply_activation_checkpointing, compile_model
 from relay.parallel.ddp import DDP, unwrap
-from relay.parallel.fsdp import FSDP
+from relay.parallel.fsdp import FSDP, on_meta
 from relay.parallel.ranks import barrier, device, distributed, synchronize
 from relay.parallel.state import snapshot, state_digest
 from relay.parallel.strategy import Strategy
@@ -69,7 +70,10 @@ class Engine:
         if cfg.compile:
             compile_model(model)
         self._dtype = PRECISION_DTYPES[cfg.mixed_precision]
+        built_on_meta = on_meta(model)  # fsdp's meta init (loop.py decides)
         self.model = self.strategy.wrap(model, self.device, cfg, self._dtype)
+        if built_on_meta:
+            self.strategy.materialise(self.model, self.device)
         self.optimizer = self.strategy.optimizer(
             list(self.model.parameters()), optimizer_class, optimizer_kwargs
         )
@@ -150,6 +154,19 @@ class Engine:
         weights = {k: v for k, v in weights.items() if k not in self._tied}
         return snapshot(weights), snapshot(optim)
 
+    def save_sharded(self, path: Path) -> None:
+        """Every rank writes its own shards of weights and optimizer state under `path`
+        (torch.distributed.checkpoint: one file per rank, plus `.metadata` from rank 0), in
+        parallel and without gathering anything whole. A collective."""
+        from relay.parallel import sharded  # DCP: imported when a run checkpoints this way
+
+        sharded.save(self.strategy.sharded_state(self.model, self.optimizer, self._tied), path)
+
+    def load_sharded(self, path: Path) -> None:
+        """Weights and optimizer state from `save_sharded`'s files, whatever worker count and
+        strategy wrote them (DCP reshards). A collective."""
+        self.strategy.load_sharded(self.model, self.optimizer, path, self._tied, self._names)
+
     def load_optimizer_state(self, named: dict[str, Any]) -> None:
         """Load optimizer state saved by `full_state` under any strategy and worker count.
 
@@ -159,12 +176,16 @@ class Engine:
 
     # --- what it costs ---
 
-    def time_micro_steps(self, loss_fn: Callable[[], torch.Tensor], steps: int = 3) -> dict:
+    def time_micro_steps(
+        self, loss_fn: Callable[[], torch.Tensor], steps: int = 3, sync_only: bool = False
+    ) -> dict:
         """Seconds per forward/backward with and without gradient synchronisation, measured
         on this rank with all ranks in lock-step. Their difference is what the gradient
-        communication costs a step; the optimizer is not stepped (gradients are discarded)."""
-        timings = {}
-        for sync in (False, True, False, True):  # each twice: the first pass warms up
+        communication costs a step; the optimizer is not stepped (gradients are discarded).
+        `sync_only`: the synchronised pass alone (`local_step_s` None)."""
+        timings = {"local": None}
+        passes = (True, True) if sync_only else (False, True, False, True)
+        for sync in passes:  # each twice: the first pass warms up
             self.zero_grad()
             barrier()
             started = time.perf_counter()

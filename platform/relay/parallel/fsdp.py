@@ -22,7 +22,8 @@ class FSDP(Strategy):
     ) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        model.to(device)
+        if not on_meta(model):  # a meta model is materialised after sharding (`materialise`)
+            model.to(device)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for unit in units(model):
             fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
@@ -30,6 +31,39 @@ class FSDP(Strategy):
         # for the whole step anyway, so it is not resharded after forward.
         fully_shard(model, reshard_after_forward=False, mp_policy=policy)
         return model
+
+    def materialise(self, model: nn.Module, device: torch.device) -> None:
+        """Give a model built on the `meta` device, and sharded, its values — this rank's
+        shards only. Storage for the shards is allocated (`to_empty`), then each module that
+        owns parameters is initialised alone: its parameters stand in whole on the CPU for the
+        module's own seeded init (models.init_module), this rank's shard of each is copied in,
+        and the whole ones are dropped before the next module. The rank never holds more than
+        its shards and one module whole, and gets exactly what the whole model built normally
+        would give it."""
+        from torch.distributed.tensor import distribute_tensor
+
+        from relay import models
+
+        model.to_empty(device=device)
+        for name, module in models.modules_to_init(model):
+            sharded = dict(module.named_parameters(recurse=False))
+            for key, param in sharded.items():  # whole stand-ins, registered in their place
+                whole = torch.empty(param.shape, dtype=param.dtype)
+                setattr(module, key, nn.Parameter(whole, requires_grad=False))
+            try:
+                models.init_module(model, name, module)
+                wholes = {key: getattr(module, key).detach() for key in sharded}
+            finally:
+                for key, param in sharded.items():
+                    setattr(module, key, param)
+            with torch.no_grad():
+                for key, param in sharded.items():
+                    # Each rank slices its own shard out of the same whole (no communication).
+                    mine = distribute_tensor(
+                        wholes[key].to(device), param.device_mesh, param.placements,
+                        src_data_rank=None,
+                    )  # fmt: skip
+                    param.to_local().copy_(mine.to_local())
 
     def full_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, names: list[str]
@@ -59,3 +93,7 @@ class FSDP(Strategy):
 
         options = StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(model, optimizer, named, options=options)
+
+
+def on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())

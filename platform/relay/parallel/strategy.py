@@ -3,13 +3,17 @@ is built, and how full, portable state is taken from it and optimizer state put 
 module per strategy implements it (ddp.py, zero1.py, fsdp.py); the Engine (engine.py) does
 everything else of a step the same way for all of them.
 
-Portable state, whatever the strategy: full (unsharded) weights, and optimizer state keyed by
-parameter name — so a checkpoint resumes under another strategy or worker count, and Serve
-loads any of them unchanged.
+Portable state, whatever the strategy, in one of two forms — both keyed by parameter name, so a
+checkpoint resumes under another strategy or worker count:
+- full: whole weights and optimizer state, gathered on rank 0 (`full_state`);
+- sharded: each rank's own part, as torch.distributed.checkpoint (DCP) writes and reads it in
+  parallel (`sharded_state`, `load_sharded`); DCP reshards on load, so N ranks' shards load
+  on M ranks, or whole into a ddp replica.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +32,10 @@ class Strategy:
     ) -> nn.Module:
         """The model on `device`, wrapped for this strategy (`dtype`: mixed precision's)."""
         raise NotImplementedError
+
+    def materialise(self, model: nn.Module, device: torch.device) -> None:
+        """Give a model built on the `meta` device its values, after `wrap` (fsdp only)."""
+        raise NotImplementedError(f"{self.name} cannot build a model on the meta device")
 
     def optimizer(
         self,
@@ -53,3 +61,41 @@ class Strategy:
     ) -> None:
         """Optimizer state as `full_state` gives it (from any strategy) into `optimizer`."""
         raise NotImplementedError
+
+    def sharded_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, tied: set[str]
+    ) -> dict[str, Any]:
+        """This rank's part of the model and optimizer state, live (not copies), as DCP saves
+        and loads it: DTensor shards where the strategy shards, whole tensors where it
+        replicates (DCP writes a replicated tensor once). Tied aliases are left out."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        weights = {k: v for k, v in get_model_state_dict(model).items() if k not in tied}
+        return {"model": weights, "optim": get_optimizer_state_dict(model, optimizer)}
+
+    def load_sharded(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        path: Path,
+        tied: set[str],
+        names: list[str],
+    ) -> None:
+        """Weights and optimizer state from a sharded checkpoint written by any worker count
+        and strategy. A collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        from relay.parallel import sharded
+
+        state = self.sharded_state(model, optimizer, tied)
+        sharded.load(state, path)  # every key of `state` must be in the checkpoint
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(strict=False),  # tied aliases follow their parameter
+        )

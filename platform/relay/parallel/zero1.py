@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,9 @@ class Zero1(DDP):
         # would pay.
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
+        self._plain_optimizer = lambda plain_params: optimizer_class(
+            plain_params, **optimizer_kwargs
+        )
         return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **optimizer_kwargs)
 
     def full_state(
@@ -35,3 +39,29 @@ class Zero1(DDP):
         if not is_main():
             return {}, {}
         return unwrap(model).state_dict(), self._optimizer_state(optimizer, names)
+
+    def sharded_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, tied: set[str]
+    ) -> dict[str, Any]:
+        # config.py refuses checkpoint.format sharded with zero1.
+        raise NotImplementedError("ZeroRedundancyOptimizer's state is not a DCP state dict")
+
+    def load_sharded(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        path: Path,
+        tied: set[str],
+        names: list[str],
+    ) -> None:
+        """A sharded checkpoint (written under ddp or fsdp) read whole through a plain
+        optimizer standing in for ZeroRedundancyOptimizer, whose own state DCP cannot read;
+        each rank then keeps its 1/N of the optimizer state as after any full load."""
+        from relay.parallel import sharded
+
+        plain = unwrap(model)
+        stand_in = self._plain_optimizer(list(plain.parameters()))
+        state = DDP.sharded_state(self, plain, stand_in, tied)
+        sharded.load(state, path)
+        plain.load_state_dict(state["model"], strict=False)  # tied aliases follow
+        self.load_optimizer_state(model, optimizer, state["optim"], names)

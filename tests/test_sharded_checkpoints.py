@@ -1,0 +1,96 @@
+"""Sharded checkpoints through real runs on the shared Ray cluster: every fsdp rank writes its
+own shards, Ray Train merges them into one checkpoint, and the run resumes from them on another
+worker count and under another strategy."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from support import BIN, REPO, subprocess_env
+
+import relay
+from relay import checkpoint, registry
+from relay.config import from_dict
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _config(epochs: int, workers: int, strategy: str):
+    return from_dict(
+        {
+            "name": "sharded",
+            "task": "charlm",
+            "size": "debug",
+            "epochs": epochs,
+            "batch_size": 32,
+            "optim": {"lr": 0.003},
+            "parallel": {"strategy": strategy},
+            "scaling": {"num_workers": workers, "resources_per_worker": {"CPU": 1}},
+            "checkpoint": {"keep": None},
+        }
+    )
+
+
+def _shard_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in (directory / checkpoint.SHARDS).iterdir())
+
+
+def test_fsdp_shards_resume_on_one_worker_then_under_ddp_on_two(ray_cluster, relay_home, tmp_path):
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    first = relay.train(_config(epochs=2, workers=2, strategy="fsdp"), out=None)
+    run_dir = Path(registry.get_run(relay_home, first.run_id)["run_dir"])
+    epoch2 = run_dir / "epoch_0002"
+    meta = checkpoint.read_meta(epoch2)
+    assert (meta["format"], meta["workers"]) == ("sharded", 2)
+    # Each rank's file came from that rank's own upload; rank 0 added the index.
+    assert _shard_files(epoch2) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+    # The registered version has whole weights, streamed from the shards: the same tensors as
+    # torch's own (all-in-memory) conversion of the shards gives.
+    best = Path(first.checkpoint)
+    whole = load_file(best / checkpoint.WEIGHTS)
+    dcp_to_torch_save(best / checkpoint.SHARDS, tmp_path / "all.pt")
+    everything = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert sorted(whole) == sorted(everything["model"])
+    for key, value in whole.items():
+        assert torch.equal(value, everything["model"][key]), key
+    assert "tok_emb.weight" in everything["optim"]["state"]  # optimizer moments are in the shards
+
+    # `relay export` of a checkpoint that has no whole weights yet: a directory to load
+    # elsewhere (weights streamed from the shards, meta.json), without shards or optimizer.
+    epoch1 = run_dir / "epoch_0001"
+    assert not (epoch1 / checkpoint.WEIGHTS).exists()
+    exported = subprocess.run(
+        [str(BIN / "relay"), "export", str(epoch1), "--out", str(tmp_path / "exported")],
+        cwd=REPO, env=subprocess_env(RELAY_HOME=str(relay_home)), capture_output=True,
+        text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert exported.stdout.strip() == str(tmp_path / "exported")
+    assert sorted(p.name for p in (tmp_path / "exported").iterdir()) == [
+        checkpoint.META,
+        checkpoint.WEIGHTS,
+    ]
+    dcp_to_torch_save(epoch1 / checkpoint.SHARDS, tmp_path / "epoch1.pt")
+    epoch1_model = torch.load(tmp_path / "epoch1.pt", weights_only=True)["model"]
+    exported_weights = load_file(tmp_path / "exported" / checkpoint.WEIGHTS)
+    assert all(torch.equal(v, epoch1_model[k]) for k, v in exported_weights.items())
+    assert not torch.equal(exported_weights["tok_emb.weight"], whole["tok_emb.weight"])
+
+    # 2 -> 1 worker, still fsdp (one rank: its whole state in one file) ...
+    relay.train(_config(epochs=3, workers=1, strategy="fsdp"), out=None, run_id=first.run_id)
+    assert _shard_files(run_dir / "epoch_0003") == [".metadata", "__0_0.distcp"]
+    # ... then 1 -> 2 workers under ddp, which writes whole checkpoints.
+    last = relay.train(_config(epochs=4, workers=2, strategy="ddp"), out=None, run_id=first.run_id)
+    assert checkpoint.read_meta(run_dir / "epoch_0004")["format"] == "full"
+
+    history = last.history
+    assert [(e["epoch"], e["workers"]) for e in history] == [(1, 2), (2, 2), (3, 1), (4, 2)]
+    losses = [e["train_loss"] for e in history]
+    # Each resume went on from where the run was (weights and optimizer moments), instead of
+    # starting over: the loss keeps falling below epoch 2's.
+    assert losses[3] < losses[2] < losses[1] < losses[0], losses
