@@ -49,12 +49,13 @@ def _opened(ckpt: ray.train.Checkpoint | None) -> Iterator[Path | None]:
 
 def _build_model(task, cfg: RunConfig, directory: Path | None) -> nn.Module:
     """The plain model: on the `meta` device (no storage) when fsdp will materialise only this
-    rank's shards of it (`parallel.meta_init`), else whole. Meta needs the model's per-module
-    init (models.init_seeded), no buffers (they would be left empty), and no whole-weights
+    rank's shards of it (`parallel.meta_init`), else whole. Meta needs a task whose model
+    builds without loading weights (`Task.builds_on_meta`), the model's per-module init
+    (models.init_seeded), no buffers (they would be left empty), and no whole-weights
     checkpoint to start from (those load before sharding)."""
     whole_checkpoint = directory is not None and not checkpoint.is_sharded(directory)
     shards_it = cfg.parallel.strategy == "fsdp" and parallel.distributed()
-    if cfg.parallel.meta_init and shards_it and not whole_checkpoint:
+    if cfg.parallel.meta_init and task.builds_on_meta and shards_it and not whole_checkpoint:
         with torch.device("meta"):
             model = task.build_model()
         if models.seeded(model) and not any(True for _ in model.buffers()):

@@ -143,6 +143,9 @@ class Task(ABC):
     #: stats `loss_and_stats` returns; default: samples, counted by "count".
     throughput_unit: ClassVar[str] = "samples"
     throughput_stat: ClassVar[str] = "count"
+    #: Whether `build_model` may run under `torch.device("meta")` (fsdp's meta init): False
+    #: for models that load weights while they are built (a pretrained directory).
+    builds_on_meta: ClassVar[bool] = True
     #: Serving: one request instance and one prediction (subclasses of InstanceSchema and
     #: PredictionSchema). Declared, not defined: a task without them cannot be served.
     Instance: ClassVar[type[BaseModel]]

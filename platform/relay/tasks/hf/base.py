@@ -62,6 +62,9 @@ class HFTask(Task):
     """Base of the Hugging Face tasks; `head` names the model class of the family."""
 
     head: ClassVar[str]  # "causal_lm" or "sequence_classification"
+    # `from_pretrained` loads weights as it builds, which the meta device cannot hold; and
+    # transformers' own init is not relay's per-module one, so meta init would not help.
+    builds_on_meta: ClassVar[bool] = False
     accepts_data_path = True
     Size = HFSize
 
