@@ -276,6 +276,29 @@ def memory_wall(f: dict[str, Any]) -> str:
         f"{growth('ddp', 2)}, fsdp {growth('fsdp', 2)} at 2, fsdp {growth('fsdp', 4)} at 4; "
         f"checkpoint save at 2 workers gathered {seconds(f['save_gathered_s'])} vs sharded "
         f"{seconds(f['save_sharded_s'])} (**{ratio(f['save_sharded_over_gathered'])}**)"
+        + (
+            f"; measured/plan, the furthest from 1 over the runs: state "
+            f"{ratio(f['state_over_plan_worst'])}, activations "
+            f"{ratio(f['activations_over_plan_worst'])}"
+            if f.get("activations_over_plan_worst") is not None
+            else ""
+        )
+    )
+
+
+def checkpoint_upload(f: dict[str, Any]) -> str:
+    samples, stall = f["sides"], f["stall_s"]
+
+    def throughput(side: str) -> str:
+        return rate(samples[side]["samples_per_s"]["median"])
+
+    return (
+        f"a checkpoint every epoch (fsdp, 2 workers, sharded), copied to storage beside the next "
+        f"epoch (async) vs waited for (sync) vs none between epochs: step-time hit async "
+        f"**{percent(f['async_step_time_hit'])}** (sync {percent(f['sync_step_time_hit'])}; "
+        f"samples/s {throughput('async')}, {throughput('sync')}, {throughput('none')}); "
+        f"training held up per epoch {seconds(stall['async'])} async, {seconds(stall['sync'])} "
+        f"sync, {seconds(stall['none'])} none; medians of {f['repeats']} alternated runs"
     )
 
 
@@ -301,6 +324,10 @@ TABLE = {
     "memory_wall": (
         "a 63 M-parameter MLP: memory per rank by strategy at 2 and 4 workers; save times",
         memory_wall,
+    ),
+    "checkpoint_upload": (
+        "the same model: a checkpoint every epoch copied to storage async vs sync vs none",
+        checkpoint_upload,
     ),
     "asha_vs_random": ("ASHA vs no stopping over the same random trials", asha_vs_random),
     "startup": (

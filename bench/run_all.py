@@ -34,6 +34,7 @@ BENCHES: dict[str, list[str]] = {
     "scaling": ["bench/scaling.py"],
     "strategies": ["bench/strategies.py"],
     "memory_wall": ["bench/memory_wall.py"],
+    "checkpoint_upload": ["bench/checkpoint_upload.py"],
     "asha_vs_random": ["bench/asha_vs_random.py"],
     "startup": ["bench/startup.py"],
     "search_algorithms": ["bench/search_algorithms.py"],

@@ -16,7 +16,7 @@ import pytest
 from support import process_gone, train_worker_pids
 
 import relay
-from relay import checkpoint, history, registry, worker_memory
+from relay import checkpoint, history, plan, registry, worker_memory
 from relay.config import from_dict
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -115,6 +115,14 @@ def test_fsdp_trains_checkpoints_and_resumes_under_the_same_limit(ray_cluster, r
     for rank in per_rank:
         assert rank["peak_growth_bytes"] < 512 * 2**20, rank
         assert rank["state_bytes"] < 963 * 2**20 / 4 * 1.05, rank
+    # `relay plan` for this config, term by term, against what each rank measured: state from
+    # the live tensors' storages, activations from the memory one forward added (the plan
+    # counts them through autograd's saved-tensor hooks in this process). Within 15%: the plan
+    # is the fullest rank's (FSDP pads the last rank less), and the kernel counts pages.
+    planned = plan.plan(cfg, 4, device_memory=64 << 30)["strategies"]["fsdp"]
+    for rank in per_rank:
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"):
+            assert rank[key] == pytest.approx(planned[key], rel=0.15), (key, rank, planned)
     last = Path(result.last_checkpoint)
     assert checkpoint.read_meta(last)["format"] == "sharded"
     shards = sorted(p.name for p in (last / checkpoint.SHARDS).iterdir())

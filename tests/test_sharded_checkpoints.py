@@ -94,3 +94,48 @@ def test_fsdp_shards_resume_on_one_worker_then_under_ddp_on_two(ray_cluster, rel
     # Each resume went on from where the run was (weights and optimizer moments), instead of
     # starting over: the loss keeps falling below epoch 2's.
     assert losses[3] < losses[2] < losses[1] < losses[0], losses
+
+
+def _weights_of(directory: Path, tmp_path: Path):
+    """A checkpoint's whole weights, from whichever format it was written in."""
+    from safetensors.torch import load_file
+
+    from relay import consolidate
+
+    out = tmp_path / f"{directory.parent.name}-{directory.name}"
+    return load_file(consolidate.export(directory, out) / checkpoint.WEIGHTS)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])  # sharded, and gathered on rank 0
+def test_async_upload_registers_the_same_checkpoints_as_sync(
+    ray_cluster, relay_home, tmp_path, strategy
+):
+    import tempfile
+
+    runs = {}
+    for upload in ("sync", "async"):
+        cfg = _config(epochs=3, workers=2, strategy=strategy)
+        cfg = cfg.model_copy(
+            update={"checkpoint": cfg.checkpoint.model_copy(update={"upload": upload})}
+        )
+        result = relay.train(cfg, out=None)
+        runs[upload] = Path(registry.get_run(relay_home, result.run_id)["run_dir"])
+
+    for upload, run_dir in runs.items():
+        # Every epoch's checkpoint reached storage whole and counts (keep: all) ...
+        epochs = sorted(p.name for p in run_dir.glob("epoch_*"))
+        assert epochs == ["epoch_0001", "epoch_0002", "epoch_0003"], (upload, epochs)
+        for name in epochs:
+            checkpoint.validate(run_dir / name)
+        latest = checkpoint.latest_registered(run_dir)
+        assert latest is not None and latest[0].name == "epoch_0003", (upload, latest)
+        # ... and no rank left its local staging copy behind.
+        leftovers = list(Path(tempfile.gettempdir()).glob(f"relay-ckpt-{run_dir.name}-*"))
+        assert leftovers == [], leftovers
+    # The same seed and data: the copies made while training went on hold the same weights
+    # as those training waited for.
+    for name in ("epoch_0001", "epoch_0002"):
+        synced = _weights_of(runs["sync"] / name, tmp_path)
+        overlapped = _weights_of(runs["async"] / name, tmp_path)
+        assert sorted(synced) == sorted(overlapped)
+        assert all(torch.equal(v, overlapped[k]) for k, v in synced.items()), name

@@ -207,6 +207,13 @@ class CheckpointConfig(_Section):
         "resumes on any worker count and strategy; whole weights made on demand for serving); "
         "auto: sharded with fsdp, full otherwise.",
     )
+    upload: Literal["sync", "async"] = Field(
+        "sync",
+        description="sync: training waits until the checkpoint is in storage; async: each "
+        "rank writes its part to local disk and training goes on while Ray Train copies it "
+        "to storage (a checkpoint counts for resume, `keep` and best only once copied; the "
+        "last epoch's is always sync).",
+    )
 
     def sharded(self, strategy: str) -> bool:
         """Whether this run's checkpoints are written shard by shard (see `format`)."""

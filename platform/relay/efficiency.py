@@ -7,7 +7,8 @@ Each factor gets a number: throughput overall and per worker; the step split int
 gradient communication and the rest (timed by running the same micro-step with and without
 gradient synchronisation); model FLOP/s as a fraction of the matmul rate measured on the workers
 themselves (not a vendor's peak: see `fraction_of_measured_matmul_peak`); memory per rank (the
-storages parameters, gradients and optimizer state really occupy, and peak memory growth);
+storages parameters, gradients and optimizer state really occupy, the activations one forward
+keeps for backward, and peak memory growth);
 start-up; and, when a 1-worker run of the same config exists, speedup and scaling efficiency.
 """
 
@@ -111,6 +112,7 @@ def measure(
     parallel.barrier()  # every rank measures its peak at once: the cores are shared as in training
     peak = matmul_peak(dtype)
     flops_per_sample = model_flops_per_sample(task, batch) if parallel.is_main() else None
+    activations = activation_bytes(engine, lambda: task.loss_and_stats(engine.model, batch)[0])
     ranks = parallel.gather_objects(
         {
             "rank": parallel.rank(),
@@ -120,6 +122,7 @@ def measure(
             # What training added to the process at its peak (the process's own start-up,
             # torch and Ray, is in memory_at_start).
             "peak_growth_bytes": memory["bytes"] - memory_at_start,
+            "activation_bytes": activations,
             "matmul_peak_flops": peak["flops_per_s"],
             "matmul_peak_size": peak["size"],
             "threads": _threads(),
@@ -130,6 +133,29 @@ def measure(
     if not parallel.is_main():
         return None
     return _combine(task, epochs, cfg, ranks, flops_per_sample, memory["kind"], dtype)
+
+
+def activation_bytes(engine: parallel.Engine, loss_fn) -> int:
+    """What one forward and loss add to this rank's memory until their backward: the tensors
+    autograd keeps for backward (what `relay plan` predicts as activations), measured by the
+    allocator on CUDA and by the kernel on CPU — resident pages, with glibc told to mmap every
+    block over 64 KiB, so that a tensor's pages come and go with it (smaller blocks reuse the
+    heap unseen; at 1 MiB an MLP's 512 KiB activations went half unseen). Under fsdp it also
+    holds whatever the forward leaves gathered (the root's own parameters). Called last: glibc
+    keeps that setting for the rest of the process."""
+    from relay import parallel, worker_memory
+
+    if parallel.device().type == "cpu":
+        worker_memory.return_freed_memory(threshold_bytes=64 << 10)
+    engine.zero_grad()
+    parallel.barrier()
+    with engine.micro_step(sync=True):
+        before = parallel.current_memory()
+        loss = loss_fn()
+        held = parallel.current_memory() - before
+        engine.backward(loss)
+    engine.zero_grad()
+    return held
 
 
 def _threads() -> int:
@@ -266,6 +292,8 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
             # State bytes: each storage that parameters, gradients (after the last training
             # step) and optimizer state use, counted once — padding and buckets included.
             "state_method": "live tensors' storages, each counted once (relay.footprint)",
+            "activation_method": "memory one forward and loss of the probe batch add until "
+            "their backward (relay.efficiency.activation_bytes)",
             "per_rank": [
                 {
                     key: r[key]
@@ -274,6 +302,7 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
                         "peak_memory_bytes",
                         "memory_at_start_bytes",
                         "peak_growth_bytes",
+                        "activation_bytes",
                         "param_bytes",
                         "grad_bytes",
                         "optimizer_bytes",
@@ -439,6 +468,11 @@ def format_report(report: dict[str, Any]) -> str:
             f"+{human_bytes(growth)} over {human_bytes(r['memory_at_start_bytes'])} at start); "
             f"params {human_bytes(r['param_bytes'])}, grads {human_bytes(r['grad_bytes'])}, "
             f"optimizer {human_bytes(r['optimizer_bytes'])}"
+            + (
+                f", activations {human_bytes(r['activation_bytes'])}"
+                if "activation_bytes" in r  # reports of older runs lack it
+                else ""
+            )
         )
     ref = report.get("reference")
     if ref:

@@ -21,6 +21,7 @@ from typing import Any
 import ray.train
 import ray.train.torch
 import torch
+from ray.train import CheckpointUploadMode
 from torch import nn
 
 from relay import (
@@ -219,7 +220,11 @@ def _remove_orphaned_staging(run_dir: Path) -> None:
 def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, scheduler, task):
     """Report an epoch; every rank calls `ray.train.report` (a collective). Rank 0 appends the
     epoch to the run's history and writes the checkpoint's meta; the weights and optimizer
-    state come gathered from rank 0 (full) or from every rank in parallel (sharded)."""
+    state come gathered from rank 0 (full) or from every rank in parallel (sharded).
+
+    Each rank writes its part to a local staging directory that Ray Train copies to storage
+    and then deletes: before training goes on (`checkpoint.upload: sync`) or while it does
+    (async). The last epoch's copy is always waited for: nothing is left to overlap it with."""
     if parallel.is_main():
         history.append(run_dir, metrics)
     if not (epoch % cfg.checkpoint.every == 0 or epoch == cfg.epochs):
@@ -232,13 +237,16 @@ def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, schedule
         if not parallel.is_main():
             ray.train.report(metrics)
             return
-    with tempfile.TemporaryDirectory(prefix=_staging_prefix(run_dir)) as tmp:
+    overlapped = cfg.checkpoint.upload == "async" and epoch < cfg.epochs
+    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(run_dir)))
+    handed_over = False
+    try:
         if sharded:
-            engine.save_sharded(Path(tmp) / checkpoint.SHARDS)  # a collective
+            engine.save_sharded(staging / checkpoint.SHARDS)  # a collective
         if parallel.is_main():
-            task.save_assets(Path(tmp))  # before meta.json, which save_state writes last
+            task.save_assets(staging)  # before meta.json, which save_state writes last
             checkpoint.save_state(
-                tmp,
+                staging,
                 weights=weights,
                 optimizer=optimizer_state,
                 scheduler=scheduler.state_dict(),
@@ -253,6 +261,14 @@ def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, schedule
             )
         ray.train.report(
             metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(tmp),
+            checkpoint=ray.train.Checkpoint.from_directory(staging),
             checkpoint_dir_name=f"epoch_{epoch:04d}",
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC
+            if overlapped
+            else CheckpointUploadMode.SYNC,
+            delete_local_checkpoint_after_upload=overlapped,
         )
+        handed_over = overlapped
+    finally:
+        if not handed_over:  # else Ray's copying thread deletes it once the copy is done
+            shutil.rmtree(staging, ignore_errors=True)

@@ -7,8 +7,8 @@ imports Ray, so relay's Ray Train workers and a plain `torchrun` process
 (bench/torchrun_ddp.py) run the very same engine.
 
   ranks.py     who am I (rank, world, device, threads), barriers, collectives over numbers
-  blocks.py    the model's repeated blocks: the unit of sharding, activation checkpointing,
-               compile
+  blocks.py    the sharding plan: each model family's repeated blocks, named explicitly — the
+               unit of sharding, activation checkpointing, compile
   strategy.py  what a strategy decides (wrap, optimizer, full state out, optimizer state in)
   ddp.py       ddp   full replica per rank; gradients all-reduced (DistributedDataParallel)
   zero1.py     zero1 DDP for gradients + `ZeroRedundancyOptimizer`: each rank keeps 1/N of
@@ -25,7 +25,12 @@ weights, and optimizer state keyed by parameter name — so a checkpoint resumes
 strategy or worker count, and Serve loads any of them unchanged.
 """
 
-from relay.parallel.blocks import apply_activation_checkpointing, compile_model, units
+from relay.parallel.blocks import (
+    apply_activation_checkpointing,
+    compile_model,
+    register_blocks,
+    units,
+)
 from relay.parallel.ddp import unwrap
 from relay.parallel.engine import PRECISION_DTYPES, STRATEGIES, Engine
 from relay.parallel.hardware import current_memory, peak_memory
@@ -58,6 +63,7 @@ __all__ = [
     "is_main",
     "peak_memory",
     "rank",
+    "register_blocks",
     "set_device",
     "set_threads",
     "state_digest",
