@@ -296,7 +296,9 @@ def checkpoint_upload(f: dict[str, Any]) -> str:
         f"a checkpoint every epoch (fsdp, 2 workers, sharded), copied to storage beside the next "
         f"epoch (async) vs waited for (sync) vs none between epochs: step-time hit async "
         f"**{percent(f['async_step_time_hit'])}** (sync {percent(f['sync_step_time_hit'])}; "
-        f"samples/s {throughput('async')}, {throughput('sync')}, {throughput('none')}); "
+        f"samples/s {throughput('async')}, {throughput('sync')}, {throughput('none')}; none's "
+        f"own runs spread {rate(samples['none']['samples_per_s']['min'])}–"
+        f"{rate(samples['none']['samples_per_s']['max'])}); "
         f"training held up per epoch {seconds(stall['async'])} async, {seconds(stall['sync'])} "
         f"sync, {seconds(stall['none'])} none; medians of {f['repeats']} alternated runs"
     )
