@@ -106,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("-o", "--out", help="file to write (default: report.html in its dir)")
     report.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
 
+    doctor = sub.add_parser(
+        "doctor",
+        help="a running run's every rank's stack (py-spy on its node), where each rank is and "
+        "which stands out; kept under runs/<id>/doctor/",
+    )
+    doctor.add_argument("run_id", metavar="RUN", help="run id (or unique prefix)")
+    doctor.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
+    doctor.add_argument("--json", action="store_true", help="print JSON")
+
     models = sub.add_parser(
         "models",
         help="list model versions and their aliases; `show REF`; `alias NAME:VERSION ALIAS`",
@@ -680,6 +689,30 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from relay import doctor, registry
+
+    storage = config_mod.resolve_storage(args.storage)
+    try:
+        run = registry.get_run(storage, args.run_id)
+    except KeyError as exc:
+        return _fail(f"doctor: {exc.args[0]}", EXIT_USAGE)
+    if run.get("status") != "running":
+        return _fail(
+            f"doctor: run {run['run_id']} is not running ({run.get('status')})", EXIT_USAGE
+        )
+    try:
+        found = doctor.examine(Path(run["run_dir"]))
+    except LookupError as exc:
+        return _fail(f"doctor: {exc.args[0]}", EXIT_FAILED)
+    if args.json:
+        print(json.dumps(found, indent=2))
+    else:
+        print(found["summary"])
+        print(f"  stacks: {found['dir']}")
+    return 0
+
+
 def _cmd_reference(args: argparse.Namespace) -> int:
     from relay.reference import config_reference
 
@@ -718,6 +751,7 @@ COMMANDS = {
     "sweeps": _cmd_sweeps,
     "reference": _cmd_reference,
     "report": _cmd_report,
+    "doctor": _cmd_doctor,
     "models": _cmd_models,
     "export": _cmd_export,
     "serve": serving.cmd_serve,

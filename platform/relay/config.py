@@ -226,6 +226,21 @@ class FailureConfig(_Section):
     )
 
 
+class DoctorConfig(_Section):
+    watch: bool = Field(
+        True,
+        description="Watch the ranks' progress while the run trains; when it stalls, dump "
+        "every rank's stack (py-spy) into runs/<id>/doctor/ and name the rank that stands out.",
+    )
+    stall_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds without progress on any rank (a step, a validation batch, a "
+        "phase) that count as a stall; null: 300 until the run has timed its steps, then "
+        "max(120, 30 x the slowest rank's step time).",
+    )
+
+
 TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql")
 
 
@@ -398,6 +413,9 @@ class RunConfig(_Section):
         default_factory=CheckpointConfig, description="Checkpointing."
     )
     failure: FailureConfig = Field(default_factory=FailureConfig, description="Fault tolerance.")
+    doctor: DoctorConfig = Field(
+        default_factory=DoctorConfig, description="The hang doctor (stalled ranks)."
+    )
     data: DataConfig = Field(default_factory=DataConfig, description="Data loading and split.")
     tracking: TrackingConfig = Field(
         default_factory=TrackingConfig, description="Where else each epoch's metrics go."

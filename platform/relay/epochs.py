@@ -21,6 +21,7 @@ import torch
 
 from relay import parallel
 from relay.config import OptimConfig, RunConfig, ScheduleConfig
+from relay.doctor.heartbeat import Heartbeat, NoHeartbeat
 from relay.tasks import Task
 from relay.tasks.base import Batch
 
@@ -130,8 +131,17 @@ class Epochs:
     """Runs training and evaluation epochs over one `parallel.Engine`, and keeps the counts
     the efficiency report needs (samples, seconds, optimizer steps) for this process."""
 
-    def __init__(self, task: Task, engine: parallel.Engine, scheduler, cfg: RunConfig) -> None:
+    def __init__(
+        self,
+        task: Task,
+        engine: parallel.Engine,
+        scheduler,
+        cfg: RunConfig,
+        heartbeat: Heartbeat | NoHeartbeat | None = None,
+    ) -> None:
         self.task, self.engine, self.scheduler, self.cfg = task, engine, scheduler, cfg
+        # This rank's progress, for the hang doctor: a phase per pass, a beat per step.
+        self.heartbeat = heartbeat or NoHeartbeat()
         self.first_step_at: float | None = None
         # Per training pass of this process: samples, throughput units, seconds, steps.
         self.passes: list[dict[str, float]] = []
@@ -140,7 +150,9 @@ class Epochs:
         """A training pass and a validation pass: the epoch's metrics as relay reports them.
         `samples_per_s` is global training samples over this rank's training-pass seconds."""
         started = time.perf_counter()
+        self.heartbeat.phase("train", number)
         trained = self.train(train)
+        self.heartbeat.phase("val", number)
         validated = self.evaluate(val)
         summarize = self.task.summarize
         return {
@@ -178,6 +190,7 @@ class Epochs:
             engine.step(self.cfg.optim.grad_clip)
             self.scheduler.step()
             steps += 1
+            self.heartbeat.step()
             if self.first_step_at is None:
                 self.first_step_at = time.time()
         parallel.synchronize()
@@ -208,6 +221,7 @@ class Epochs:
         with self.engine.autocast():
             for batch in batches:
                 _accumulate(sums, self.task.loss_and_stats(self.engine.model, batch)[1])
+                self.heartbeat.tick()
         return parallel.sum_across_ranks(sums)
 
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import ray
 import ray.train
 import ray.train.torch
 import torch
@@ -26,6 +27,7 @@ from torch import nn
 
 from relay import (
     checkpoint,
+    doctor,
     efficiency,
     history,
     ingest,
@@ -135,12 +137,20 @@ def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
         )
         print(f"rank {parallel.rank()}: memory limited by {confined.mechanism} ({confined.where})")
     parallel.set_threads(cfg.scaling.threads_per_worker, loop_config["cpus_per_worker"])
+    beat = doctor.Heartbeat(  # where this rank is, and how far it got: for the hang doctor
+        run_dir,
+        parallel.rank(),
+        parallel.world_size(),
+        node_id=ray.get_runtime_context().get_node_id(),
+        node_ip=ray.util.get_node_ip_address(),
+    )
 
     # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
     # Before any rank can checkpoint again (the engine's set-up is a collective).
     _remove_orphaned_staging(run_dir)
+    beat.phase("model")
     with _opened(_start_checkpoint(loop_config)) as directory:
         model = _build_model(task, cfg, directory)
         torch.manual_seed(cfg.seed)  # dropout's stream, however the model was built
@@ -173,23 +183,27 @@ def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
             shuffle_buffer=cfg.data.shuffle_buffer,
         )
 
+    beat.phase("data")
     train_data, val_data = batches("train", cfg.data.shuffle), batches("val", False)
     train_data.load()
     val_data.load()
     data_ready_at = time.time()
 
-    epochs = Epochs(task, engine, scheduler, cfg)
+    epochs = Epochs(task, engine, scheduler, cfg, beat)
     for epoch in range(start_epoch, cfg.epochs + 1):
         following = epoch + 1 if epoch < cfg.epochs else None
         train = train_data.epoch(epoch, next_epoch=following)
         metrics = epochs.epoch(epoch, train, val_data.epoch(epoch))
+        beat.phase("report", epoch)
         _report(cfg, run_dir, epoch, metrics, engine, scheduler, task)
 
     report = None
+    beat.phase("efficiency")
     if epochs.passes:
         probe = next(iter(train_data.epoch(0)))
         report = efficiency.measure(task, engine, epochs, probe, cfg, memory_at_start)
     digests = parallel.gather_objects(engine.replica_digest())
+    beat.phase("done")
     if not parallel.is_main():
         return None
     return {

@@ -21,6 +21,7 @@ from relay import (
     cluster,
     console,
     consolidate,
+    doctor,
     efficiency,
     history,
     registry,
@@ -222,7 +223,10 @@ def fit(
     callbacks = [*(callbacks or []), failure_clock(run_dir), *tracked.callbacks]
     trainer = build_trainer(cfg, run_id, run_data, callbacks, init_checkpoint)
     try:
-        with console.follow(run_dir, cfg.epochs, out, also=tracked.announce):
+        with (
+            console.follow(run_dir, cfg.epochs, out, also=tracked.announce),
+            doctor.watching(cfg.doctor, run_dir, out),
+        ):
             times["fit_called"] = time.time()
             result = trainer.fit()
     except BaseException as exc:
