@@ -130,8 +130,12 @@ def test_a_healthy_run_is_never_examined(ray_cluster, relay_home, tmp_path):
     cfg = _config("doctor-healthy", tmp_path, stall_rank=-1)
     result = relay.train(cfg, out=None, register=False)
 
-    run_dir = Path(registry.get_run(relay_home, result.run_id)["run_dir"])
+    record = registry.get_run(relay_home, result.run_id)
+    run_dir = Path(record["run_dir"])
     assert doctor.examinations(run_dir) == []
+    # The run records where its ranks ran: this single-node cluster's node, for both.
+    node = ray_cluster.get_runtime_context().get_node_id()
+    assert [(p["rank"], p["node_id"]) for p in record["placement"]] == [(0, node), (1, node)]
     ranks = doctor.heartbeat.read_all(run_dir)
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["phase"] == "done" and r["epoch"] == 3 for r in ranks)

@@ -268,6 +268,7 @@ def fit(
             "best_metrics": run.best_metrics,
             "replicas_in_sync": run.replicas_in_sync,
             "startup_s": run.startup_s,
+            "placement": doctor.heartbeat.placement(run_dir),  # the last worker group's
             "model": run.model,
             "memory_limit": run.memory,
             "efficiency": run.efficiency,

@@ -42,6 +42,12 @@ def read_all(run_dir: Path) -> list[dict[str, Any]]:
     return sorted((r for r in records if r["rank"] < world), key=lambda r: r["rank"])
 
 
+def placement(run_dir: Path) -> list[dict[str, Any]]:
+    """Where the current worker group's ranks ran: rank, host name, node IP and node id."""
+    keys = ("rank", "hostname", "node_ip", "node_id")
+    return [{key: record.get(key) for key in keys} for record in read_all(run_dir)]
+
+
 class Heartbeat:
     """This rank's progress file. `step()` and `tick()` cost the training thread a clock read:
     a daemon thread writes the file, at most once per `interval_s` and only when something
