@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test lint format bench clean
+.PHONY: venv demo test lint format bench clean cluster-demo
 
 venv: $(VENV)/.installed
 
@@ -17,6 +17,11 @@ $(VENV)/.installed: pyproject.toml
 # The whole path on an embedded local cluster: train, ASHA sweep, serve the best, HTTP requests.
 demo: venv
 	$(BIN)/python jobs/demo.py
+
+# A Ray cluster of 2 "hosts" on this machine, each a network namespace (needs root); it prints
+# a `ray job submit` line to try, and removes everything on Ctrl-C. relay/netns_cluster.py.
+cluster-demo: venv
+	$(BIN)/python -m relay.netns_cluster --hosts 2
 
 test: venv
 	$(BIN)/python -m pytest tests --durations=50

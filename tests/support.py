@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +12,8 @@ import textwrap
 import time
 import urllib.request
 from pathlib import Path
+
+from relay.processes import session_members, stop_session  # noqa: F401 - for the tests
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -31,33 +32,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def session_members(sid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if os.getsid(int(entry.name)) == sid:
-                    pids.append(int(entry.name))
-    return pids
-
-
-GENTLY = ((signal.SIGTERM, 15), (signal.SIGKILL, 10))
-
-
-def stop_session(leader: subprocess.Popen, signals=GENTLY) -> None:
-    """End every process of a session a test started (`start_new_session=True`), and only
-    those: Ray's processes get process groups of their own but keep the session id."""
-    for sig, grace in signals:
-        for pid in session_members(leader.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + grace
-        while session_members(leader.pid) and time.monotonic() < deadline:
-            leader.poll()  # reap the leader so it does not linger as a zombie
-            time.sleep(0.2)
-    leader.wait(timeout=30)
 
 
 # --- faults from outside: SIGKILL a Ray Train worker process ------------------------------------

@@ -9,6 +9,7 @@ it (root, CAP_SYS_PTRACE in a container, or kernel.yama.ptrace_scope 0).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -93,7 +94,9 @@ def _connected() -> bool:
 
     if ray.is_initialized():
         return True
-    try:
+    if os.environ.get("RAY_ADDRESS") == "local":  # a cluster of its own: never start one here
+        return False
+    try:  # RAY_ADDRESS, else the cluster this host's latest `ray start`/`ray.init()` began
         ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
     except (ConnectionError, RuntimeError, ValueError):
         return False
