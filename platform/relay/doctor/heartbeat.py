@@ -10,6 +10,7 @@ wherever the ranks are. Imports no Ray: the loop passes the node in.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -65,7 +66,8 @@ class Heartbeat:
         interval_s: float = 1.0,
     ) -> None:
         self._path = progress_path(run_dir, rank)
-        self._path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # unwritable: _write skips, the run goes on
+            self._path.parent.mkdir(parents=True, exist_ok=True)
         now = time.time()
         self._record: dict[str, Any] = {
             "rank": rank,
@@ -129,8 +131,11 @@ class Heartbeat:
                     record["steps"] - steps
                 )
             partial = self._path.with_name(self._path.name + ".tmp")
-            partial.write_text(json.dumps(record))
-            os.replace(partial, self._path)  # readers never see half a file
+            try:
+                partial.write_text(json.dumps(record))
+                os.replace(partial, self._path)  # readers never see half a file
+            except OSError:  # e.g. the storage is full: the doctor's loss, never the run's
+                return
             self._written = (record["time"], record["steps"])
 
 
