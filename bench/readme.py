@@ -104,6 +104,19 @@ def scaling(f: dict[str, Any]) -> str:
     )
 
 
+def scaling_hosts(f: dict[str, Any]) -> str:
+    rates = f["samples_per_s"]
+    links = [r["host1_link_bytes"] for r in f["runs"] if r["side"] == "two_hosts"]
+    return (
+        f"samples/s with 1 worker on each of 2 namespace hosts "
+        f"{spread(rates['two_hosts'], rate)} vs both on one host "
+        f"{spread(rates['one_host'], rate)}: `two_hosts_vs_one_host` "
+        f"**{ratio(f['two_hosts_vs_one_host'])}** (medians of {f['repeats']} alternated runs "
+        f"each; the second host's link carried {spread(links, lambda b: f'{b / 1e6:,.0f} MB')} "
+        f"per run)"
+    )
+
+
 def strategies(f: dict[str, Any]) -> str:
     return (
         f"measured state per rank (live tensors after a step, each storage once): "
@@ -322,6 +335,10 @@ TABLE = {
         train_overhead,
     ),
     "scaling": ("1 → 2 workers, relay and plain torchrun side by side", scaling),
+    "scaling_hosts": (
+        "the network hop: the same 2 workers one per namespace host vs both on one",
+        scaling_hosts,
+    ),
     "strategies": ("ddp / zero1 / fsdp × fp32 / bf16 on 2 workers", strategies),
     "memory_wall": (
         "a 63 M-parameter MLP: memory per rank by strategy at 2 and 4 workers; save times",

@@ -32,6 +32,7 @@ PYTHON = sys.executable
 BENCHES: dict[str, list[str]] = {
     "train_overhead": ["bench/train_overhead.py"],
     "scaling": ["bench/scaling.py"],
+    "scaling_hosts": ["bench/scaling.py", "--hosts"],  # root: network namespaces
     "strategies": ["bench/strategies.py"],
     "memory_wall": ["bench/memory_wall.py"],
     "checkpoint_upload": ["bench/checkpoint_upload.py"],

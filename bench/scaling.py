@@ -1,4 +1,5 @@
 """.venv/bin/python bench/scaling.py [--epochs 6] [--batch-size 512] [--samples 15360]
+   .venv/bin/python bench/scaling.py --hosts [--repeats 3]      (root: network namespaces)
 
 Data-parallel scaling of one training config from 1 to 2 CPU workers, relay next to plain
 torchrun, in one run.
@@ -73,6 +74,18 @@ Figures are noisy when something else is using the CPUs: each run records the CP
 outside the bench's own process tree used while it ran (`foreign_cpu_cores`, sampled from /proc
 every second), and the bench warns and counts `busy_runs` when that averages over 0.25 cores.
 
+The 2-host point (`--hosts`): what the network hop costs. A cluster of two hosts on this
+machine, each a network namespace with its own raylet and object store, linked by veth pairs
+through a bridge (relay.netns_cluster), runs the same 2-worker config as above (submitted with
+`ray job submit` of jobs/train.py from host 0) placed two ways: both workers on host 0 (each asks
+for the custom resource `host0`; gloo over loopback) and one worker per host (each asks for a
+`worker_slot`, of which each host has one; gloo over the veth link, the only way between the
+namespaces). The sides alternate over `--repeats`; `two_hosts_vs_one_host` is the median
+samples/s (the efficiency report's, epochs 2..N) of one worker per host over both on one host.
+Both sides share the machine's 2 cores, so this measures the hop (veth + bridge + the TCP stack
+of two namespaces instead of loopback), not two machines' worth of compute; host 1's eth0 byte
+count per run shows the gradients crossed it.
+
 The last stdout line is one JSON object with the figures above, the per-run tables and the
 set-up. The bench sets RELAY_HOME and the runs' storage to a temporary dir (deleted at the end),
 starts its own local Ray cluster (RAY_ADDRESS=local) and shuts Ray down at the end.
@@ -122,6 +135,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW lr (default: 1e-3)")
     parser.add_argument(
         "--show-progress", action="store_true", help="relay's per-epoch lines on stderr"
+    )
+    parser.add_argument(
+        "--hosts",
+        action="store_true",
+        help="the 2-host point instead: 1 worker on each of 2 namespace hosts vs 2 on one (root)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="--hosts: runs per side, alternated (default: 3)"
     )
     args = parser.parse_args(argv)
     if args.epochs < 2:
@@ -221,6 +242,9 @@ def describe(run: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.hosts:
+        hosts_main(args)
+        return
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="relay-bench-scaling-") as tmp:
         storage = Path(tmp)
@@ -330,6 +354,112 @@ def main(argv: list[str] | None = None) -> None:
         "epochs": cfg.epochs,
         "batch_size": cfg.batch_size,
         "wall_s": wall_s,
+    }
+    print(json.dumps(summary))
+
+
+# --- the 2-host point ---------------------------------------------------------------------------
+
+# Where each side's two workers may go (scaling.resources_per_worker, besides 1 CPU each).
+PLACEMENTS = {"one_host": {"host0": 1}, "two_hosts": {"worker_slot": 1}}
+
+
+def submit_run(cluster, cfg_dict: dict[str, Any], config_dir: Path) -> dict[str, Any]:
+    """`ray job submit` of jobs/train.py CONFIG --json from host 0; the run's figures."""
+    from relay import history, registry
+    from relay.netns_cluster import BIN
+
+    path = config_dir / f"{cfg_dict['name']}.yaml"
+    path.write_text(json.dumps(cfg_dict))  # YAML reads JSON
+    link_before = cluster.link_bytes(1)
+    began = time.perf_counter()
+    submit = cluster.run(
+        0,
+        [
+            BIN / "ray", "job", "submit", f"--address={cluster.dashboard_address}",
+            "--working-dir", ".", "--", "python", "jobs/train.py", str(path), "--json",
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=1800,
+    )  # fmt: skip
+    if submit.returncode != 0:
+        raise RuntimeError(f"{cfg_dict['name']}: {submit.stdout[-3000:]}{submit.stderr[-3000:]}")
+    line = next(x for x in reversed(submit.stdout.splitlines()) if x.startswith('{"run_id"'))
+    result = json.loads(line)
+    report = result["efficiency"]
+    record = registry.get_run(cluster.storage, result["run_id"])
+    epochs = history.read_raw(Path(record["run_dir"]))
+    return {
+        "run_id": result["run_id"],
+        "wall_s": time.perf_counter() - began,
+        "startup_s": result["startup_s"],
+        "samples_per_s": report["throughput"]["samples_per_s"],
+        "steady_samples_per_s": statistics.median(e["samples_per_s"] for e in epochs[1:]),
+        "node_ips": [r["node_ip"] for r in record["placement"]],
+        "step": {k: report["step"][k] for k in ("step_s", "compute_s", "comm_s", "other_s")},
+        "comm_fraction": report["step"]["comm_fraction"],
+        "host1_link_bytes": cluster.link_bytes(1) - link_before,
+    }
+
+
+def hosts_main(args: argparse.Namespace) -> None:
+    from relay.netns_cluster import NetnsCluster, netns_unavailable
+
+    if reason := netns_unavailable():
+        sys.exit(f"the 2-host point needs network namespaces: {reason}")
+    started = time.perf_counter()
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="relay-bench-hosts-") as tmp:
+        storage = Path(tmp)
+        with NetnsCluster(2, storage=storage, host_resources={"worker_slot": 1}) as cluster:
+            print(f"{cluster.describe()}\nup in {cluster.up_in_s:.1f} s", flush=True)
+            for repeat in range(args.repeats):
+                # Alternated, the first side swapping each repeat: a drift weighs on both.
+                sides = list(PLACEMENTS) if repeat % 2 == 0 else list(reversed(PLACEMENTS))
+                for side in sides:
+                    cfg_dict = run_config(args, storage, 2)
+                    cfg_dict["name"] = f"hosts-{side.replace('_', '-')}-{repeat}"
+                    cfg_dict["scaling"]["resources_per_worker"] |= PLACEMENTS[side]
+                    run = {"side": side, "repeat": repeat, **submit_run(cluster, cfg_dict, storage)}
+                    runs.append(run)
+                    print(
+                        f"{side}: {run['samples_per_s']:,.0f} samples/s (steady "
+                        f"{run['steady_samples_per_s']:,.0f}), ranks on {run['node_ips']}, "
+                        f"host 1's link {run['host1_link_bytes'] / 1e6:,.0f} MB, step "
+                        f"{run['step']['step_s'] * 1e3:.0f} ms (comm "
+                        f"{run['step']['comm_s'] * 1e3:.0f}), wall {run['wall_s']:.1f} s",
+                        flush=True,
+                    )
+
+    def median(side: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs if r["side"] == side)
+
+    ratio = median("two_hosts", "samples_per_s") / median("one_host", "samples_per_s")
+    ratio_steady = median("two_hosts", "steady_samples_per_s") / median(
+        "one_host", "steady_samples_per_s"
+    )
+    print(
+        f"\none worker per host / both on one host, samples/s (medians of {args.repeats}): "
+        f"{ratio:.3f} (report), {ratio_steady:.3f} (steady)"
+    )
+    summary = {
+        "two_hosts_vs_one_host": ratio,
+        "two_hosts_vs_one_host_steady": ratio_steady,
+        "samples_per_s": {
+            side: sorted(r["samples_per_s"] for r in runs if r["side"] == side)
+            for side in PLACEMENTS
+        },
+        "comm_s": {
+            side: statistics.median(r["step"]["comm_s"] for r in runs if r["side"] == side)
+            for side in PLACEMENTS
+        },
+        "runs": runs,
+        "repeats": args.repeats,
+        "task": args.task,
+        "model": args.model,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "wall_s": time.perf_counter() - started,
     }
     print(json.dumps(summary))
 

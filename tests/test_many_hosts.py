@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import subprocess
 import time
 from pathlib import Path
 
@@ -18,7 +19,9 @@ import pytest
 from support import BIN, REPO
 
 from relay import history, registry
+from relay.doctor import heartbeat
 from relay.netns_cluster import NetnsCluster, netns_unavailable
+from relay.processes import stop_session
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -122,9 +125,10 @@ def test_fsdp_job_runs_one_rank_per_host(two_hosts):
 
 
 def test_doctor_names_the_stuck_rank_on_the_other_host(two_hosts, tmp_path):
-    """Rank 1 (on host 1) sleeps inside a step (tests/stall_task.py). The job's own driver (on
-    the head) notices and reads both ranks' stacks, and `relay doctor` run on host 0 does the
-    same on demand: py-spy runs on each rank's node through a Ray task pinned there."""
+    """Rank 1 (on either host; rank 0 on the other) sleeps inside a step
+    (tests/stall_task.py). The job's own driver (on the head) notices and reads both ranks'
+    stacks, and `relay doctor` run on host 0 does the same on demand: py-spy runs on each
+    rank's node through a Ray task pinned there."""
     cluster, name = two_hosts, "hosts-doctor"
     marker = cluster.storage / f"{name}-stalled-at"
     config = tmp_path / "stall.yaml"  # the same filesystem every host sees
@@ -174,13 +178,156 @@ def test_doctor_names_the_stuck_rank_on_the_other_host(two_hosts, tmp_path):
     assert _job_outcome(cluster, submission_id) == "SUCCEEDED"
 
     reports = [json.loads(p.read_text()) for p in (run_dir / "doctor").glob("*/doctor.json")]
+    placed = {r["rank"]: r["node_ip"] for r in heartbeat.placement(run_dir)}
+    assert sorted(placed.values()) == sorted(h.ip for h in cluster.hosts), placed
     (watched,) = [r for r in reports if r["reason"]]  # the driver's; `relay doctor` gives none
     for report in (watched, json.loads(asked.stdout)):
         assert report["odd_ones_out"] == [1]
         stalled, waiting = report["ranks"][1], report["ranks"][0]
-        assert (stalled["node_ip"], waiting["node_ip"]) == (cluster.hosts[1].ip, cluster.head.ip)
+        # Which host gets rank 1 is Ray Train's choice (seen both ways): each rank's stack
+        # comes from the host that rank ran on, one rank per host.
+        assert (stalled["node_ip"], waiting["node_ip"]) == (placed[1], placed[0])
         assert stalled["function"] == "StallingTask.stall_in_the_step", stalled
         assert waiting["waiting_in"], waiting
+
+
+# --- a sweep and a server across both hosts -------------------------------------------------
+
+
+def test_sweep_trials_run_on_both_hosts(two_hosts):
+    """`relay tune` as a job: two trials at once, one worker each. Each worker asks for a
+    host's only `worker_slot`, so the two concurrent trials can only be placed one per host.
+
+    ASHA off: with it on, Tune ends each trial at its last report (max_t) by killing the trial
+    actor while fit() is still finishing, and that was seen to (1) leave the trials' run
+    records "running" or "failed" (ActorDiedError) without `placement`, and (2) leak, after
+    the sweep job had ended, a placement group of a trial's Train controller holding host 1's
+    worker slot and a CPU: every later one-rank-per-host run of this module then waited for
+    ever. The test checks that the sweep leaves no placement group behind."""
+    cluster = two_hosts
+    began = time.monotonic()
+    submit = cluster.run(
+        0,
+        [
+            BIN / "ray", "job", "submit", f"--address={cluster.dashboard_address}",
+            "--working-dir", ".", "--", "python", "jobs/tune.py", "jobs/configs/digits-sweep.yaml",
+            "--set", "name=hosts-sweep", "--set", "num_samples=2", "--set", "workers_per_trial=1",
+            "--set", "max_concurrent_trials=2", "--set", "asha.enabled=false",
+            "--set", "train.size=debug",
+            "--set", "train.epochs=2", "--set", f"train.storage={cluster.storage}",
+            "--set", "train.scaling.resources_per_worker={CPU: 1, worker_slot: 1}", "--json",
+        ],
+        cwd=REPO,
+        timeout=400,
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
+    sweep = json.loads(
+        next(line for line in reversed(submit.stdout.splitlines()) if line.startswith('{"sweep"'))
+    )
+    print(f"\nhosts-sweep: job took {time.monotonic() - began:.1f} s")
+    placed = {}
+    for trial in sweep["trials"]:
+        assert trial["status"] == "completed", trial
+        record = registry.get_run(cluster.storage, trial["run_id"])
+        assert record["status"] == "finished", record
+        (rank,) = record["placement"]
+        assert rank["hostname"] == {h.ip: h.hostname for h in cluster.hosts}[rank["node_ip"]]
+        placed[trial["trial_id"]] = rank["node_ip"]
+    print(f"hosts-sweep: trial -> host {placed}")
+    assert sorted(placed.values()) == sorted(h.ip for h in cluster.hosts), placed
+    # Every trial's worker slot is free again. (Unfiltered: `ray list` prints no JSON at all
+    # when nothing matches; the sweep's own removed groups are always listed.)
+    groups = cluster.ray_json("placement-groups", "--limit=1000")
+    assert [g for g in groups if g["state"] != "REMOVED"] == [], groups
+
+
+def _finished_digits_run(cluster: NetnsCluster) -> str:
+    """A finished digits run of this module's (an earlier test's), else a new one."""
+    for record in registry.list_runs(cluster.storage):
+        if record["task"] == "digits" and record["status"] == "finished":
+            return record["run_id"]
+    return submit_train(cluster, "hosts-serve-model")[0]["run_id"]
+
+
+PREDICT = """
+import json, sys, urllib.request
+base, n = sys.argv[1], int(sys.argv[2])
+body = json.dumps({"instances": [{"pixels": [0, 5, 16] * 21 + [3]}]}).encode()
+out = {"predictions": [], "replicas": []}
+for _ in range(n):
+    request = urllib.request.Request(
+        base + ":predict", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        out["predictions"] += json.load(response)["predictions"]
+    with urllib.request.urlopen(base + "/stats", timeout=30) as response:
+        out["replicas"].append(json.load(response)["replica"])
+print(json.dumps(out))
+"""
+
+
+def test_serve_on_the_head_answers_from_a_replica_on_the_other_host(two_hosts, tmp_path):
+    """`relay serve` on host 0 against the running cluster, its ingress bound to the head's
+    namespace address; the replica can only be placed on host 1: a job holding the head's two
+    CPUs runs first (relay serve has no placement option, and Serve's proxy prefers a replica
+    on its own node, so a replica on each host would leave host 1's idle). Requests sent from
+    host 0 to the head's address are answered by host 1's replica."""
+    cluster = two_hosts
+    run_id = _finished_digits_run(cluster)
+    blocker = f"hosts-serve-blocker-{secrets.token_hex(3)}"
+    held = cluster.run(
+        0,
+        [
+            BIN / "ray", "job", "submit", f"--address={cluster.dashboard_address}",
+            f"--submission-id={blocker}", "--no-wait", "--entrypoint-num-cpus=2",
+            '--entrypoint-resources={"host0": 1}', "--", "sleep", "600",
+        ],
+    )  # fmt: skip
+    assert held.returncode == 0, held.stderr[-4000:]
+    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - closed below
+    server = None
+    try:
+        while _job_status(cluster, blocker) != "RUNNING":
+            time.sleep(1)
+        began = time.monotonic()
+        serve = [BIN / "relay", "serve", run_id, "--host", cluster.head.ip, "--port", "8000",
+                 "--address", cluster.gcs_address, "--storage", cluster.storage]  # fmt: skip
+        server = subprocess.Popen(
+            cluster.head.argv(serve),
+            env=cluster.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # stop_session ends exactly relay serve and its children
+        )
+        while "ingress:" not in (tmp_path / "serve.log").read_text():
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            assert time.monotonic() - began < 240, (tmp_path / "serve.log").read_text()[-4000:]
+            time.sleep(1)
+        print(f"\nhosts-serve: serving {time.monotonic() - began:.1f} s after relay serve began")
+        print((tmp_path / "serve.log").read_text()[-1500:])
+        base = f"http://{cluster.head.ip}:8000/v1/models/digits"
+        asked = cluster.run(0, [BIN / "python", "-c", PREDICT, base, "10"], timeout=120)
+        assert asked.returncode == 0, asked.stderr[-4000:]
+        answers = json.loads(asked.stdout)
+        actors = cluster.ray_json("actors", "--filter=state=ALIVE", "--limit=1000")
+        nodes = cluster.node_ips()
+    finally:
+        if server is not None:
+            stop_session(server)  # SIGTERM: relay serve deletes its app
+        log.close()
+        cluster.run(0, [BIN / "ray", "job", "stop", f"--address={cluster.dashboard_address}",
+                        blocker])  # fmt: skip
+    assert len(answers["predictions"]) == 10
+    assert all(0 <= p["label"] <= 9 for p in answers["predictions"]), answers
+    replicas = {
+        a["name"].rsplit("#", 1)[-1]: nodes[a["node_id"]]
+        for a in actors
+        if a["class_name"].startswith("ServeReplica")
+    }
+    proxies = [nodes[a["node_id"]] for a in actors if a["class_name"] == "ProxyActor"]
+    print(f"hosts-serve: replicas {replicas}, proxies on {proxies}")
+    assert list(replicas.values()) == [cluster.hosts[1].ip], replicas
+    assert set(answers["replicas"]) == set(replicas), answers["replicas"]
 
 
 # --- a host lost mid-run ------------------------------------------------------------------------
@@ -203,14 +350,233 @@ def _wait_for_checkpoint(storage: Path, name: str, epoch: int) -> Path:
     raise AssertionError(f"no checkpoint of epoch {epoch} of {name} in time")
 
 
+def _job_status(cluster: NetnsCluster, submission_id: str) -> str:
+    (job,) = cluster.ray_json("jobs", f"--filter=submission_id={submission_id}")
+    return job["status"]
+
+
 def _job_outcome(cluster: NetnsCluster, submission_id: str, timeout_s: float = 300) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        (job,) = cluster.ray_json("jobs", f"--filter=submission_id={submission_id}")
-        if job["status"] in ("SUCCEEDED", "FAILED", "STOPPED"):
-            return job["status"]
+        if (status := _job_status(cluster, submission_id)) in ("SUCCEEDED", "FAILED", "STOPPED"):
+            return status
         time.sleep(2)
     raise AssertionError(f"job {submission_id} still running after {timeout_s:.0f} s")
+
+
+def _submit_no_wait(cluster: NetnsCluster, name: str, *job_args: str) -> str:
+    """`ray job submit --no-wait` of jobs/train.py with one worker per host: its submission id."""
+    submission_id = f"{name}-{secrets.token_hex(3)}"
+    submit = cluster.run(
+        0,
+        [
+            BIN / "ray", "job", "submit", f"--address={cluster.dashboard_address}",
+            f"--submission-id={submission_id}", "--working-dir", ".", "--no-wait",
+            "--", "python", "jobs/train.py", *job_args, "--set", f"name={name}",
+            "--set", f"storage={cluster.storage}", *ONE_PER_HOST,
+        ],
+        cwd=REPO,
+        timeout=120,
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
+    return submission_id
+
+
+# charlm at debug size on a 400 kB corpus: epochs long enough (seconds) that a fault injected
+# after epoch 2's checkpoint lands mid-run.
+CHARLM_RUN = ["jobs/configs/charlm.yaml", "--set", "size=debug",
+              "--set", "model.corpus_bytes=400000", "--set", "failure.max_failures=3"]  # fmt: skip
+
+
+def _node_state(cluster: NetnsCluster, node_id: str) -> str:
+    (node,) = cluster.ray_json("nodes", f"--filter=node_id={node_id}")
+    return node["state"]
+
+
+def _host_node_id(cluster: NetnsCluster, host: int) -> str:
+    (node,) = cluster.ray_json(
+        "nodes", "--filter=state=ALIVE", f"--filter=node_ip={cluster.hosts[host].ip}"
+    )
+    return node["node_id"]
+
+
+def _job_logs(cluster: NetnsCluster, submission_id: str) -> str:
+    return cluster.run(
+        0, [BIN / "ray", "job", "logs", f"--address={cluster.dashboard_address}", submission_id]
+    ).stdout
+
+
+def _grep_log(path: Path, *words: str, last: int = 8) -> list[str]:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return [f"({path} unreadable)"]
+    return [line[:300] for line in lines if any(w in line for w in words)][-last:]
+
+
+def test_fixed_size_run_resumes_on_both_hosts_when_the_lost_host_comes_back(two_hosts):
+    """Host 1 is SIGKILLed after epoch 2's checkpoint; once Ray has marked its node dead (the
+    run's worker group is then gone and a fixed-size run waits for a worker slot on some
+    host), host 1 starts again: the run resumes from its last checkpoint on two workers, one
+    per host, and finishes."""
+    cluster, name = two_hosts, "hosts-return"
+    old_node = _host_node_id(cluster, 1)
+    submission_id = _submit_no_wait(cluster, name, *CHARLM_RUN, "--set", "epochs=5")
+    run_dir = _wait_for_checkpoint(cluster.storage, name, 2)
+    lost_at, lost_wall = time.monotonic(), time.time()
+    cluster.kill_host(1)
+    try:
+        deadline = time.monotonic() + 90
+        while _node_state(cluster, old_node) != "DEAD":
+            assert time.monotonic() < deadline, "Ray never marked the lost host's node dead"
+            time.sleep(1)
+        print(f"\n{name}: node marked dead {time.monotonic() - lost_at:.1f} s after the loss")
+        time.sleep(3)  # the controller finds the failure and waits for a placement
+    finally:
+        cluster.restart_host(1)
+    print(f"{name}: host 1 back {time.monotonic() - lost_at:.1f} s after the loss")
+    outcome = _job_outcome(cluster, submission_id)
+    print(f"{name}: {outcome} {time.monotonic() - lost_at:.1f} s after host 1 was lost")
+    assert outcome == "SUCCEEDED", _job_logs(cluster, submission_id)[-4000:]
+
+    raw = history.read_raw(run_dir)
+    print(f"{name}: epochs (epoch, workers) {[(h['epoch'], h['workers']) for h in raw]}")
+    before = [h for h in raw if h["time"] < lost_wall]
+    after = [h for h in raw if h["time"] >= lost_wall]
+    assert history.failure_times(run_dir)[-1] >= lost_wall, "the controller saw the loss"
+    assert before[0]["epoch"] == 1 and after[-1]["epoch"] == 5
+    # Resumed from the last registered checkpoint (epoch 2 or later), not from scratch.
+    assert 3 <= after[0]["epoch"] <= before[-1]["epoch"] + 1, (before[-1], after[0])
+    assert {h["workers"] for h in raw} == {2}, "every epoch, before and after, on 2 workers"
+    assert registry.get_run(cluster.storage, run_dir.name)["status"] == "finished"
+    placement = registry.get_run(cluster.storage, run_dir.name)["placement"]
+    assert sorted(r["node_ip"] for r in placement) == sorted(h.ip for h in cluster.hosts)
+    assert _host_node_id(cluster, 1) != old_node  # a new node, at the same address
+
+
+def _controller_log(cluster: NetnsCluster, submission_id: str) -> str:
+    """The job's Train controller's stderr on the head (Ray's worker log of that actor)."""
+    (job,) = cluster.ray_json("jobs", f"--filter=submission_id={submission_id}")
+    logs = cluster.head.temp_dir / "session_latest" / "logs"
+    for path in logs.glob(f"worker-*-{job['job_id']}-*.err"):
+        text = path.read_text(errors="replace")
+        if ":actor_name:TrainController" in text[:200]:
+            return text
+    return ""
+
+
+# How long the partition test waits, from the cut, for the run to end (run as below: ~80 s
+# when host 1's node survives).
+PARTITION_BOUND_S = 240
+
+
+def test_partition_of_the_other_host_mid_run(two_hosts):
+    """Host 1's link (its veth's end on the bridge) goes down for 30 s after epoch 2's
+    checkpoint, then up again. What happens (seen in this test's runs):
+
+    - During the cut nothing fails: gloo's and Ray's TCP connections just stall, and Ray's
+      node stays ALIVE (the GCS's health check needs 5 failed checks of 10 s each).
+    - 20-25 s after the link is back, Ray's gRPC connections across it are reset
+      ("recvmsg:Connection reset by peer"): the Train controller's poll of the rank on host 1
+      fails ("A worker health check failed ... The actor is temporarily unavailable") and the
+      controller restarts the worker group (one of `failure.max_failures`) from the last
+      *registered* checkpoint: epochs trained after the link came back (when any were) were
+      reported while the controller could not poll, so they are trained again.
+    - Either host 1's node survives (1 run of 3): the new worker group is one rank per host
+      again and the run finishes (~80 s after the cut). Or (2 of 3) the GCS's 5th failed
+      health check lands too: host 1's node is marked DEAD and its raylet exits ("Exiting
+      because this node manager has mistakenly been marked as dead by the GCS"), ending host
+      1's `ray start`; the test then restarts host 1, as a supervisor would. In both runs seen
+      so, the restarted host never got the run's workers: the GCS's first bundle lease to the
+      new raylet failed ("failed to connect to all addresses ... Connection refused", though
+      it was listening: apparently the GCS's connection to that address, which it had kept
+      retrying for the dead node, was still backing off), later placement groups stayed
+      pending, and the controller retried the worker group's
+      start every 60 s (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S) without end: Train's
+      `controller_failure_limit` defaults to unlimited and these retries do not count against
+      `max_failures`. The test then stops the job.
+    """
+    cluster, name = two_hosts, "hosts-partition"
+    host1 = cluster.hosts[1]
+    old_node = _host_node_id(cluster, 1)
+    submission_id = _submit_no_wait(cluster, name, *CHARLM_RUN, "--set", "epochs=5")
+    run_dir = _wait_for_checkpoint(cluster.storage, name, 2)
+    port = ["ip", "-n", cluster.bridge_netns, "link", "set", f"{cluster.prefix}h1"]
+    cut_at, cut_wall = time.monotonic(), time.time()
+    seen: list[tuple[float, str, bool]] = []
+
+    def observe() -> None:
+        state = _node_state(cluster, old_node)
+        raylet_up = host1.leader is not None and host1.leader.poll() is None
+        if not seen or seen[-1][1:] != (state, raylet_up):
+            seen.append((round(time.monotonic() - cut_at, 1), state, raylet_up))
+            print(f"  +{seen[-1][0]} s: node {state}, host 1's `ray start` running: {raylet_up}")
+
+    print(f"\n{name}: link down")
+    subprocess.run([*port, "down"], check=True)
+    try:
+        while time.monotonic() - cut_at < 30:
+            observe()
+            time.sleep(1)
+    finally:
+        subprocess.run([*port, "up"], check=True)
+    print(f"{name}: link up at +{time.monotonic() - cut_at:.1f} s")
+    assert [state for _, state, _ in seen] == ["ALIVE"], seen  # nothing noticed the cut
+
+    # raylet.out, raylet.1.out, ...: one per raylet host 1 has run in this Ray session.
+    raylet_logs = (host1.temp_dir / "session_latest" / "logs").glob("raylet*.out")
+    restarted_at = None
+    while (status := _job_status(cluster, submission_id)) in ("PENDING", "RUNNING"):
+        if time.monotonic() - cut_at > PARTITION_BOUND_S:
+            break
+        observe()
+        if restarted_at is None and seen[-1][1] == "DEAD":
+            deadline = time.monotonic() + 30  # the raylet exits once it hears it is dead
+            while host1.leader.poll() is None and time.monotonic() < deadline:
+                time.sleep(1)
+            raylet_said = [line for log in raylet_logs for line in _grep_log(log, "as dead")]
+            print(*raylet_said, sep="\n")
+            cluster.kill_host(1)  # what is left of host 1's old `ray start` session
+            cluster.restart_host(1)
+            restarted_at = time.monotonic() - cut_at
+            print(f"{name}: host 1 restarted at +{restarted_at:.1f} s")
+        time.sleep(2)
+    ended = time.monotonic() - cut_at
+    raw = history.read_raw(run_dir)
+    failures = [round(t - cut_wall, 1) for t in history.failure_times(run_dir)]
+    print(f"{name}: job {status} at +{ended:.1f} s; worker failures at +{failures} s")
+    epochs = [(h["epoch"], h["workers"], round(h["time"] - cut_wall, 1)) for h in raw]
+    print(f"{name}: epochs (epoch, workers, s after the cut) {epochs}")
+    controller = _controller_log(cluster, submission_id)
+    print(*{line for line in controller.splitlines() if "unavailable" in line}, sep="\n")
+
+    # Found by the controller after the link came back, never during the cut.
+    assert failures and failures[0] > 30, failures
+    assert "A worker health check failed" in controller
+    if restarted_at is None:  # host 1's node survived: the run recovers and finishes
+        assert status == "SUCCEEDED", _job_logs(cluster, submission_id)[-4000:]
+        after = [h for h in raw if h["time"] - cut_wall > failures[0]]
+        assert 3 <= after[0]["epoch"] <= 5 and after[-1]["epoch"] == 5, after
+        assert {h["workers"] for h in raw} == {2}
+        placement = registry.get_run(cluster.storage, run_dir.name)["placement"]
+        assert sorted(r["node_ip"] for r in placement) == sorted(h.ip for h in cluster.hosts)
+    else:  # host 1's node was declared dead; it came back as a new node
+        assert any("mistakenly been marked as dead" in line for line in raylet_said)
+        if status != "SUCCEEDED":  # the run waits for its workers without end (see above)
+            assert status == "RUNNING", _job_logs(cluster, submission_id)[-4000:]
+            assert "WorkerGroupStartupTimeoutError" in controller
+            cluster.run(
+                0,
+                [BIN / "ray", "job", "stop", f"--address={cluster.dashboard_address}",
+                 submission_id],
+            )  # fmt: skip
+            assert _job_outcome(cluster, submission_id, timeout_s=60) == "STOPPED"
+            # Host 1 once more, as a new node that no failed lease ever touched: the tests
+            # after this one need its worker slot.
+            cluster.kill_host(1)
+            cluster.restart_host(1)
+    # The cluster is whole for the tests after this one.
+    assert len(cluster.ray_json("nodes", "--filter=state=ALIVE")) == 2
 
 
 def test_elastic_run_continues_on_the_head_host_when_the_other_host_is_lost(two_hosts):
