@@ -367,25 +367,15 @@ PLACEMENTS = {"one_host": {"host0": 1}, "two_hosts": {"worker_slot": 1}}
 def submit_run(cluster, cfg_dict: dict[str, Any], config_dir: Path) -> dict[str, Any]:
     """`ray job submit` of jobs/train.py CONFIG --json from host 0; the run's figures."""
     from relay import history, registry
-    from relay.netns_cluster import BIN
 
     path = config_dir / f"{cfg_dict['name']}.yaml"
     path.write_text(json.dumps(cfg_dict))  # YAML reads JSON
     link_before = cluster.link_bytes(1)
     began = time.perf_counter()
-    submit = cluster.run(
-        0,
-        [
-            BIN / "ray", "job", "submit", f"--address={cluster.dashboard_address}",
-            "--working-dir", ".", "--", "python", "jobs/train.py", str(path), "--json",
-        ],
-        cwd=Path(__file__).resolve().parents[1],
-        timeout=1800,
-    )  # fmt: skip
+    _, submit = cluster.submit_train(Path(__file__).resolve().parents[1], str(path), "--json")
     if submit.returncode != 0:
         raise RuntimeError(f"{cfg_dict['name']}: {submit.stdout[-3000:]}{submit.stderr[-3000:]}")
-    line = next(x for x in reversed(submit.stdout.splitlines()) if x.startswith('{"run_id"'))
-    result = json.loads(line)
+    result = cluster.train_result(submit)
     report = result["efficiency"]
     record = registry.get_run(cluster.storage, result["run_id"])
     epochs = history.read_raw(Path(record["run_dir"]))

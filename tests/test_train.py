@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import relay
 from relay import checkpoint, registry
 from relay.config import from_dict
 from relay.tasks import BUILTIN, build_task
+from relay.trainer import WorkersNotPlaced
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -76,3 +78,36 @@ def test_checkpoint_retention_keeps_the_best(ray_cluster, relay_home):
 
     assert list_actors(filters=[("class_name", "=", "TrainController")], limit=1000)
     assert not list_actors(filters=[("class_name", "=", "PreemptionWatcher")], limit=1000)
+
+
+def test_a_run_whose_workers_cannot_be_placed_fails_within_its_bound_then_resumes(
+    ray_cluster, relay_home
+):
+    """Another holder keeps 3 of the cluster's 4 CPUs: a 2-worker run cannot be placed. It
+    fails after its bounded starts (2 of up to 3 s each), naming the fields that bound it and
+    what the cluster had free, recorded as failed; resumed once the CPUs are free, it trains."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    cfg = debug_config("digits", epochs=2, failure={"worker_wait_s": 3, "start_failures": 1})
+    holder = placement_group([{"CPU": 3}])
+    assert holder.wait(30)
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkersNotPlaced) as failed:
+            relay.train(cfg, out=None)
+        waited = time.monotonic() - started
+    finally:
+        remove_placement_group(holder)
+    message = str(failed.value)
+    print(f"\nfailed after {waited:.1f} s: {message}")
+    assert "failure.worker_wait_s" in message and "failure.start_failures = 1" in message
+    assert "2 starts failed" in message and "'CPU': 1.0" in message  # free then: 4 - 3
+    # Both starts waited their 3 s (a bound that fired early would not prove the wait), and
+    # the run ended well before an unbounded wait's next minute.
+    assert 6 <= waited < 45, waited
+    (run,) = [r for r in registry.list_runs(relay_home) if r["run_id"] in message]
+    assert run["status"] == "failed" and "WorkersNotPlaced" in run["error"]
+
+    resumed = relay.train(cfg, out=None, run_id=run["run_id"])
+    assert [e["epoch"] for e in resumed.history] == [1, 2]
+    assert registry.get_run(relay_home, run["run_id"])["status"] == "finished"

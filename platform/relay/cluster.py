@@ -73,18 +73,50 @@ RUN_SWITCHES = {
 # the job's runtime_env otherwise (connect passes them).
 
 
+# How long one start of a worker group waits for its placement group, read by the Train
+# controller, which Ray hands it from the caller of fit() (ENV_VARS_TO_PROPAGATE). A start that
+# waits longer fails as a controller failure, retried up to FailureConfig's
+# `controller_failure_limit` (relay's `failure.start_failures`; Ray's default is unlimited, so
+# a run whose workers can never be placed, e.g. behind a node the GCS wrongly declared dead,
+# would retry every minute without end). Ray fails at once a request the cluster could never
+# hold (InsufficientClusterResourcesError).
+WORKER_WAIT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+RUN_WORKER_WAIT_S = 60.0  # Ray 2.60's default (DEFAULT_WORKER_GROUP_START_TIMEOUT_S)
 # A sweep's trial may wait for workers as long as another trial trains (`SweepConfig.overlap`
-# starts trials the free resources cannot hold yet). At Ray's worker-group start timeout (60 s)
-# such a trial would give up its placement-group request every minute and retry it, each time
-# a controller failure. Ray still fails at once a request the cluster could never hold
-# (InsufficientClusterResourcesError). Read by the Train controller, which Ray hands it from
-# the caller of fit() (ENV_VARS_TO_PROPAGATE): the trial actor.
+# starts trials the free resources cannot hold yet).
 TRIAL_WORKER_WAIT_S = str(24 * 3600)
 
 
 def let_trial_wait_for_workers() -> None:
     """Called in a Tune trial actor before fit(): its worker group waits for resources."""
-    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", TRIAL_WORKER_WAIT_S)
+    os.environ.setdefault(WORKER_WAIT_ENV, TRIAL_WORKER_WAIT_S)
+
+
+@contextmanager
+def worker_wait(wait_s: float | None) -> Iterator[float]:
+    """For the fit() called inside: each worker-group start waits `wait_s` for placement
+    (None: what this process has, a sweep trial's or the user's own, else Ray's default).
+    Yields the wait in force; the environment is restored after, so one run's value never
+    carries into the next run of this process."""
+    before = os.environ.get(WORKER_WAIT_ENV)
+    if wait_s is not None:
+        os.environ[WORKER_WAIT_ENV] = str(wait_s)
+    try:
+        yield float(os.environ.get(WORKER_WAIT_ENV, RUN_WORKER_WAIT_S))
+    finally:
+        if before is None:
+            os.environ.pop(WORKER_WAIT_ENV, None)
+        else:
+            os.environ[WORKER_WAIT_ENV] = before
+
+
+def gave_up_placing_workers(exc: BaseException) -> bool:
+    """Whether a failed fit() ended because its worker group could not be placed in time, as
+    many times as the run allows. Private: the public ControllerError wraps Train's
+    WorkerGroupStartupTimeoutError, which only ray.train.v2._internal.exceptions defines."""
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+    return isinstance(getattr(exc, "controller_failure", None), WorkerGroupStartupTimeoutError)
 
 
 def set_missing(env: dict[str, str]) -> dict[str, str]:

@@ -224,6 +224,22 @@ class FailureConfig(_Section):
     max_failures: int = Field(
         2, ge=-1, description="Worker-group restarts from the last checkpoint; -1: unlimited."
     )
+    worker_wait_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds one start of the worker group (the first, or one after a "
+        "failure) may wait for the cluster to place its workers before that start counts as "
+        "failed; null: 60 for a run, 24 h for a sweep's trial (it waits while other trials "
+        "train).",
+    )
+    start_failures: int = Field(
+        4,
+        ge=-1,
+        description="Failed starts of the worker group (placement past `worker_wait_s`, a "
+        "worker lost while starting) a run retries before it fails, saying what it waited "
+        "for; -1: unlimited. A run whose workers cannot be placed ends after about "
+        "`worker_wait_s` x (`start_failures` + 1).",
+    )
 
 
 class DoctorConfig(_Section):

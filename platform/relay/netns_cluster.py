@@ -273,6 +273,51 @@ class NetnsCluster:
             raise RuntimeError(f"ray list {' '.join(args)}: {out.stderr[-2000:]}")
         return json.loads(out.stdout)
 
+    def submit_train(
+        self, working_dir: Path, *train_args: str, wait: bool = True, timeout: float = 1800
+    ) -> tuple[str, subprocess.CompletedProcess]:
+        """`ray job submit --working-dir WORKING_DIR -- python jobs/train.py TRAIN_ARGS` from
+        host 0 to the head's job server on its namespace address: (the job's submission id,
+        the submit command's outcome). With `wait` it returns once the job has ended (its
+        output in the outcome's stdout; `train_result` reads `--json`'s line), else once the
+        job is submitted (`job_outcome` waits for it)."""
+        submission_id = f"relay-train-{secrets.token_hex(4)}"
+        submit = self.run(
+            0,
+            [
+                BIN / "ray", "job", "submit", f"--address={self.dashboard_address}",
+                f"--submission-id={submission_id}", "--working-dir", str(working_dir),
+                *([] if wait else ["--no-wait"]), "--", "python", "jobs/train.py", *train_args,
+            ],
+            timeout=timeout,
+        )  # fmt: skip
+        return submission_id, submit
+
+    @staticmethod
+    def train_result(submit: subprocess.CompletedProcess) -> dict:
+        """What `relay train --json` printed last in a job submitted with `wait`."""
+        line = next(x for x in reversed(submit.stdout.splitlines()) if x.startswith('{"run_id"'))
+        return json.loads(line)
+
+    def job_status(self, submission_id: str) -> str:
+        (job,) = self.ray_json("jobs", f"--filter=submission_id={submission_id}")
+        return job["status"]
+
+    def job_outcome(self, submission_id: str, timeout_s: float = 300) -> str:
+        """The job's final status (SUCCEEDED, FAILED or STOPPED) once it has one; raises
+        TimeoutError if it is still pending or running after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (status := self.job_status(submission_id)) in ("SUCCEEDED", "FAILED", "STOPPED"):
+                return status
+            time.sleep(2)
+        raise TimeoutError(f"job {submission_id} still running after {timeout_s:.0f} s")
+
+    def job_logs(self, submission_id: str) -> str:
+        return self.run(
+            0, [BIN / "ray", "job", "logs", f"--address={self.dashboard_address}", submission_id]
+        ).stdout
+
     def node_ips(self) -> dict[str, str]:
         """node_id → node IP of every node that ever joined."""
         return {n["node_id"]: n["node_ip"] for n in self.ray_json("nodes", "--limit=1000")}

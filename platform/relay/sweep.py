@@ -20,6 +20,7 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -31,7 +32,7 @@ from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search import ConcurrencyLimiter, SearchAlgorithm, Searcher
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from relay import cluster, console, ingest, pbt, registry, tracking, trainer
+from relay import cluster, console, doctor, ingest, pbt, registry, tracking, trainer
 from relay.config import SearchDimension, SweepConfig, sweep_from_dict, trial_config
 
 SPEC = "sweep.json"
@@ -343,19 +344,46 @@ def _best_checkpoint(cfg: SweepConfig, storage: Path, run_id: str) -> tuple[str 
     return best.path, metrics
 
 
+def _settle_records(cfg: SweepConfig, storage: Path, trials: list[dict[str, Any]]) -> None:
+    """Tune's verdict on each trial, written into its run's record where the run could not.
+
+    When ASHA says stop, Tune ends the trial from outside by killing its actor: mid-run for a
+    trial stopped early, but also at a trial's last epoch (max_t), while its fit() may still be
+    finishing. The run's record then says "running", or "failed" (ActorDiedError) when the
+    kill reached fit() before the actor died. A stopped trial's run becomes "stopped"; a
+    completed one's "finished", with its best checkpoint from Ray Train's own record and where
+    its ranks ran, as fit() would have written it. Its MLflow run, left open, is closed."""
+    for trial in trials:
+        run_dir = registry.runs_root(storage) / trial["run_id"]
+        if not (run_dir / registry.RECORD).exists():
+            continue
+        record = registry.get_run(storage, trial["run_id"])
+        if trial["status"] == "stopped":
+            record.pop("error", None)
+            registry.write(run_dir, {**record, "status": "stopped", "metrics": trial["metrics"]})
+            tracking.ended_from_outside(record, "KILLED")
+        elif trial["status"] == "completed" and record["status"] != "finished":
+            checkpoint, best_metrics = _best_checkpoint(cfg, storage, trial["run_id"])
+            record.pop("error", None)
+            settled = {
+                **record,
+                "status": "finished",
+                "finished_at": datetime.now(UTC).isoformat(),
+                "metrics": trial["metrics"],
+                "checkpoint": checkpoint,
+                "best_metrics": best_metrics,
+                "placement": doctor.heartbeat.placement(run_dir),
+                "settled_by_sweep": True,  # written here, not by the run's own fit()
+            }
+            registry.write(run_dir, settled, final=True)
+            tracking.ended_from_outside(record, "FINISHED")
+
+
 def _summarize(cfg, sweep_id, sweep_dir, storage, grid, out) -> SweepResult:
     trials = sorted((_trial_summary(cfg, sweep_id, r) for r in grid), key=lambda t: t["trial_id"])
     if cfg.search_alg == "pbt":  # a trial's runs: one per stretch between exploits
         pbt.add_lineage(cfg, storage, sweep_id, trials)
-    # ASHA ends a stopped trial's run from outside — mid-run, so its record says "running", or
-    # "failed" when the kill reached fit() before the actor died. Tune's verdict is the truth.
-    for trial in (t for t in trials if t["status"] == "stopped"):
-        run_dir = registry.runs_root(storage) / trial["run_id"]
-        if (run_dir / registry.RECORD).exists():
-            record = registry.get_run(storage, trial["run_id"])
-            record.pop("error", None)
-            registry.write(run_dir, {**record, "status": "stopped", "metrics": trial["metrics"]})
-            tracking.stopped(record)  # its MLflow run, left running by the kill
+    _settle_records(cfg, storage, trials)
 
     scored = [t for t in trials if t["best_score"] is not None]
     best, model = None, None

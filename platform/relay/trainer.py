@@ -82,7 +82,11 @@ def build_trainer(
     run_config = ray.train.RunConfig(
         name=run_id,
         storage_path=str(runs_root),
-        failure_config=ray.train.FailureConfig(max_failures=cfg.failure.max_failures),
+        failure_config=ray.train.FailureConfig(
+            max_failures=cfg.failure.max_failures,
+            # A start of the worker group that times out placing it is a controller failure.
+            controller_failure_limit=cfg.failure.start_failures,
+        ),
         checkpoint_config=ray.train.CheckpointConfig(
             num_to_keep=cfg.checkpoint.keep,
             checkpoint_score_attribute=cfg.checkpoint.metric,
@@ -226,11 +230,12 @@ def fit(
         with (
             console.follow(run_dir, cfg.epochs, out, also=tracked.announce),
             doctor.watching(cfg.doctor, run_dir, out),
+            cluster.worker_wait(cfg.failure.worker_wait_s) as wait_s,
         ):
             times["fit_called"] = time.time()
             result = trainer.fit()
     except BaseException as exc:
-        wall = _memory_wall(cfg, run_id, exc)
+        wall = _memory_wall(cfg, run_id, exc) or _not_placed(cfg, run_id, exc, wait_s)
         _record_failure(run_dir, record, wall or exc)
         tracked.close("FAILED" if isinstance(exc, Exception) else "KILLED")
         if wall:
@@ -302,6 +307,40 @@ def _memory_wall(cfg: RunConfig, run_id: str, exc: BaseException) -> Exception |
         f"out of memory on rank {', '.join(map(str, ranks))}: each worker may use "
         f"{limit.human_readable()} (scaling.memory_per_worker) and "
         f"{worker_memory.wall_advice(cfg)}"
+    )
+
+
+class WorkersNotPlaced(RuntimeError):
+    """The cluster never had room for the run's worker group within the run's bound."""
+
+
+def _not_placed(cfg: RunConfig, run_id: str, exc: BaseException, wait_s: float) -> Exception | None:
+    """The error of a run that gave up waiting for its workers, naming what it waited for,
+    for how long, what the cluster had free and the fields that set the bound; None if the
+    failure was another."""
+    if not cluster.gave_up_placing_workers(exc):
+        return None
+    import ray
+
+    try:  # e.g. a host lost, or resources other runs or trials hold
+        free = {
+            k: round(v, 2)
+            for k, v in sorted(ray.available_resources().items())
+            # Not a node's own marker, memory, or a placement group's share of a resource
+            if not k.startswith("node:")
+            and k not in ("memory", "object_store_memory")
+            and "_group_" not in k
+        }
+    except Exception:  # the cluster itself is gone: the message does without
+        free = "unknown"
+    per_worker = cfg.scaling.resources_per_worker or {"CPU": cfg.scaling.cpus_per_worker}
+    starts = cfg.failure.start_failures + 1
+    return WorkersNotPlaced(
+        f"run {run_id}: the cluster could not place {cfg.scaling.describe()} "
+        f"({per_worker} each): {starts} starts failed, each waiting up to {wait_s:g} s "
+        f"(failure.worker_wait_s; failure.start_failures = {cfg.failure.start_failures}); "
+        f"free on the cluster now: {free}. A lost node or what other runs hold keeps them "
+        f"out: free resources or add nodes, then `relay train --resume {run_id}`."
     )
 
 

@@ -40,11 +40,15 @@ def stall_threshold(cfg: DoctorConfig, ranks: list[dict[str, Any]]) -> float:
     return max(TIMED_FLOOR_S, STEPS_OF_SILENCE * max(step_s))
 
 
-def examine(run_dir: Path, reason: str | None = None) -> dict[str, Any]:
+def examine(
+    run_dir: Path, reason: str | None = None, ranks: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """Read every rank's stack now; write them and the summary under the run's doctor/ dir.
+    `ranks`: the progress records to examine (default: every rank's, read now).
     Returns {"dir", "ranks": [where each rank is], "odd_ones_out", "summary"}."""
     run_dir = Path(run_dir)
-    ranks = heartbeat.read_all(run_dir)
+    if ranks is None:
+        ranks = heartbeat.read_all(run_dir)
     if not ranks:
         raise LookupError(f"run {run_dir.name} has no rank that reported progress")
     now = time.time()
@@ -113,7 +117,7 @@ class _StallWatch:
             f"(doctor.stall_s {threshold:.0f} s); last completed: epoch {laggard['epoch']} "
             f"step {laggard['step']} ({laggard['phase']})"
         )
-        found = examine(self.run_dir, reason)
+        found = examine(self.run_dir, reason, ranks)  # this worker group's ranks
         if self.out is not None and not self.closed:
             self.out.write(found["summary"] + f"\n  stacks: {found['dir']}\n")
 

@@ -141,13 +141,12 @@ def open_run(
     return tracked
 
 
-def stopped(run_record: dict[str, Any]) -> None:
-    """A run ended from outside (ASHA stopped its trial): its MLflow run ends as KILLED."""
+def ended_from_outside(run_record: dict[str, Any], status: str) -> None:
+    """A run Tune ended from outside (ASHA stopped its trial: `KILLED`; or killed it as it
+    finished its last epoch: `FINISHED`): its MLflow run, left open, ends with `status`."""
     mlflow = (run_record.get("tracking") or {}).get("mlflow")
     if mlflow:
-        mlflow_runs.close_run(
-            Path(run_record["run_dir"]), mlflow["uri"], mlflow["run_id"], "KILLED"
-        )
+        mlflow_runs.close_run(Path(run_record["run_dir"]), mlflow["uri"], mlflow["run_id"], status)
 
 
 def register_version(cfg, run_record: dict[str, Any], version: dict[str, Any], best: bool):
