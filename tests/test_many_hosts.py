@@ -10,7 +10,6 @@ Needs root (`ip netns add`); skipped, saying so, where namespaces cannot be made
 from __future__ import annotations
 
 import json
-import secrets
 import subprocess
 import time
 from pathlib import Path
@@ -249,30 +248,18 @@ print(json.dumps(out))
 
 def test_serve_on_the_head_answers_from_a_replica_on_the_other_host(two_hosts, tmp_path):
     """`relay serve` on host 0 against the running cluster, its ingress bound to the head's
-    namespace address; the replica can only be placed on host 1: a job holding the head's two
-    CPUs runs first (relay serve has no placement option, and Serve's proxy prefers a replica
-    on its own node, so a replica on each host would leave host 1's idle). Requests sent from
-    host 0 to the head's address are answered by host 1's replica."""
+    namespace address, its replica placed on host 1 by `--replica-resources` (each host
+    offers its `hostK` resource). Requests sent from host 0 to the head's address are
+    answered by host 1's replica."""
     cluster = two_hosts
     run_id = _finished_digits_run(cluster)
-    blocker = f"hosts-serve-blocker-{secrets.token_hex(3)}"
-    held = cluster.run(
-        0,
-        [
-            BIN / "ray", "job", "submit", f"--address={cluster.dashboard_address}",
-            f"--submission-id={blocker}", "--no-wait", "--entrypoint-num-cpus=2",
-            '--entrypoint-resources={"host0": 1}', "--", "sleep", "600",
-        ],
-    )  # fmt: skip
-    assert held.returncode == 0, held.stderr[-4000:]
     log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - closed below
     server = None
     try:
-        while cluster.job_status(blocker) != "RUNNING":
-            time.sleep(1)
         began = time.monotonic()
         serve = [BIN / "relay", "serve", run_id, "--host", cluster.head.ip, "--port", "8000",
-                 "--address", cluster.gcs_address, "--storage", cluster.storage]  # fmt: skip
+                 "--address", cluster.gcs_address, "--storage", cluster.storage,
+                 "--replica-resources", "{host1: 1}"]  # fmt: skip
         server = subprocess.Popen(
             cluster.head.argv(serve),
             env=cluster.env,
@@ -296,8 +283,6 @@ def test_serve_on_the_head_answers_from_a_replica_on_the_other_host(two_hosts, t
         if server is not None:
             stop_session(server)  # SIGTERM: relay serve deletes its app
         log.close()
-        cluster.run(0, [BIN / "ray", "job", "stop", f"--address={cluster.dashboard_address}",
-                        blocker])  # fmt: skip
     assert len(answers["predictions"]) == 10
     assert all(0 <= p["label"] <= 9 for p in answers["predictions"]), answers
     replicas = {

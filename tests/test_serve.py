@@ -719,6 +719,8 @@ def test_refusals_come_before_any_ray_work(tmp_path):
             "unknown_model": ["serve", "nope:best", *at],
             "no_schemas": ["serve", "plain", *at],
             "bad_flag": ["serve", "digits:best", *at, "--max-batch-size", "0"],
+            "ray_resource": ["serve", "digits:best", *at, "--replica-resources", "{CPU: 1}"],
+            "not_yaml": ["serve", "digits:best", *at, "--replica-resources", "{host1: [1"],
             "port_taken": ["serve", "digits:best", *at, "--port", str(busy.getsockname()[1])],
         }
         # relay/serving/app.py imports Ray Serve, so Ray may be imported, but no cluster may have
@@ -736,6 +738,8 @@ def test_refusals_come_before_any_ray_work(tmp_path):
         "unknown_model": "no model, run or checkpoint 'nope:best'",
         "no_schemas": "needs Instance and Prediction schemas",
         "bad_flag": "--max-batch-size:",
+        "ray_resource": "--replica-resources: CPU is one of Ray's own resources",
+        "not_yaml": "--replica-resources: not YAML",
         "port_taken": "cannot listen on 127.0.0.1:",
     }
     for name, fragment in expect_in_message.items():

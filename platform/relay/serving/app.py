@@ -46,6 +46,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+import yaml
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
@@ -133,6 +134,35 @@ class AppArgs(ReplicaArgs):
     # 283 req/s together with the access log off).
     max_ongoing_requests: int = Field(256, ge=1, description="In-flight requests per replica.")
     access_log: bool = Field(False, description="Log every request (a log line costs time).")
+    replica_resources: dict[str, float] | None = Field(
+        None,
+        description="Custom Ray resources each replica asks for besides its CPUs, e.g. "
+        "{host1: 1} to place replicas on the nodes that offer `host1` (`ray start "
+        "--resources`); a string is read as YAML.",
+    )
+
+    @field_validator("replica_resources", mode="before")
+    @classmethod
+    def _resources_from_text(cls, value: Any) -> Any:
+        if isinstance(value, str):  # from the command line or `serve run key=value`
+            try:
+                return yaml.safe_load(value)
+            except yaml.YAMLError as exc:
+                raise ValueError(f"not YAML: {value!r} ({exc.problem})") from None
+        return value
+
+    @field_validator("replica_resources")
+    @classmethod
+    def _custom_resources(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for name, amount in (value or {}).items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(
+                    f"{name} is one of Ray's own resources, not a custom one "
+                    "(a replica's CPUs: num_cpus)"
+                )
+            if amount <= 0:
+                raise ValueError(f"{name}: {amount} is not a positive amount")
+        return value
 
     @field_validator("model", mode="before")
     @classmethod
@@ -647,6 +677,7 @@ def build(
         name=DEPLOYMENT,
         ray_actor_options={
             "num_cpus": args.num_cpus,
+            **({"resources": args.replica_resources} if args.replica_resources else {}),
             **({"runtime_env": runtime_env} if runtime_env is not None else {}),
         },
         max_ongoing_requests=args.max_ongoing_requests,

@@ -32,6 +32,11 @@ APP_FLAGS: dict[str, tuple[type, str]] = {
     "replicas": (int, "replicas (default: 1; the minimum when autoscaling)"),
     "max_replicas": (int, "autoscale between --replicas and this many (default: fixed)"),
     "num_cpus": (float, "CPUs each replica reserves (default: 0.5)"),
+    "replica_resources": (
+        str,
+        "custom Ray resources each replica asks for, as YAML, e.g. '{host1: 1}': replicas "
+        "only on nodes that offer them (default: none)",
+    ),
     "max_batch_size": (int, "instances per forward pass; 1 turns batching off (default: 32)"),
     "batching": (
         str,
@@ -160,7 +165,7 @@ def _app_args(refs: list[str], options: dict[str, Any]):
         if not item["loc"]:  # a rule between fields
             return None, item["msg"].removeprefix("Value error, ")
         flag = "--" + "-".join(str(part) for part in item["loc"]).replace("_", "-")
-        return None, f"{flag}: {item['msg']}"
+        return None, f"{flag}: {item['msg'].removeprefix('Value error, ')}"
 
 
 def _resolve(app_args) -> tuple[list, str | None]:
