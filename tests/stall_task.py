@@ -20,6 +20,7 @@ class StallingSize(RegressionSize):
     stall_at: int = Field(20, ge=1, description="The training step (from 1) it stalls in.")
     stall_s: float = Field(20.0, ge=0, description="How long it sleeps there.")
     marker: str | None = Field(None, description="A file it writes the stall's start time to.")
+    release: str | None = Field(None, description="A file whose appearance ends the sleep.")
 
 
 class StallingTask(RegressionTask):
@@ -40,4 +41,8 @@ class StallingTask(RegressionTask):
     def stall_in_the_step(self) -> None:
         if self.hp.marker:
             Path(self.hp.marker).write_text(str(time.time()))
-        time.sleep(self.hp.stall_s)
+        deadline = time.monotonic() + self.hp.stall_s
+        while time.monotonic() < deadline:
+            if self.hp.release and Path(self.hp.release).exists():
+                return
+            time.sleep(0.1)

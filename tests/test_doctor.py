@@ -25,7 +25,7 @@ from relay.config import from_dict
 pytestmark = pytest.mark.timeout(300)
 
 STALL_S = 10.0  # doctor.stall_s: no rank progressing this long is a stall
-SLEEP_S = 40.0  # how long the stalling rank sleeps: past the watcher's and the CLI's looks
+SLEEP_S = 40.0  # the longest the stalling rank sleeps: past the watcher's and the CLI's looks
 STALL_AT = 30  # the training step it sleeps in: epoch 2 (26 steps an epoch per rank)
 
 
@@ -40,6 +40,7 @@ def _config(name: str, tmp_path: Path, stall_rank: int):
                 "stall_at": STALL_AT,
                 "stall_s": SLEEP_S,
                 "marker": str(tmp_path / "stalled-at"),
+                "release": str(tmp_path / "release"),  # the test wakes it once it has looked
             },
             "epochs": 3,
             "batch_size": 32,
@@ -93,6 +94,7 @@ def test_the_doctor_names_the_stalled_rank_and_its_frame(ray_cluster, relay_home
     assert cli.main(["doctor", run["run_id"], "--json"]) == 0
     on_demand = json.loads(capsys.readouterr().out)
     assert time.time() < stalled_at + SLEEP_S, "the rank woke before `relay doctor` looked"
+    (tmp_path / "release").touch()
 
     thread.join(timeout=240)
     assert "error" not in outcome, outcome.get("error")

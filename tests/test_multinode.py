@@ -163,7 +163,13 @@ def test_fsdp_across_nodes_survives_a_lost_node_with_a_replacement(two_nodes, re
 
 
 def test_elastic_ddp_continues_on_fewer_workers_when_a_node_is_lost(two_nodes, relay_home):
-    cfg = _config("multinode-elastic", scaling={"num_workers": [1, 2]})
+    # The first restart still counts the removed node's CPU (Ray's view of the cluster lags):
+    # that start waits `worker_wait_s` for a worker it cannot place (Ray's default: 60 s).
+    cfg = _config(
+        "multinode-elastic",
+        scaling={"num_workers": [1, 2]},
+        failure={"max_failures": 3, "worker_wait_s": 15},
+    )
     result, removed_at = _lost_node_run(
         two_nodes, relay_home, cfg, "multinode-elastic-1", replace=False
     )

@@ -143,7 +143,8 @@ def test_killed_tpe_sweep_resumes_with_its_searcher_state(tmp_path):
     )
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(json.loads(spec.model_dump_json())))
-    env = subprocess_env()
+    # Tune saves its experiment state at most every 10 s ("auto"); 1 s here: less to wait for.
+    env = subprocess_env(TUNE_GLOBAL_CHECKPOINT_S="1")
 
     driver = subprocess.Popen(
         [str(BIN / "relay"), "tune", str(path)],

@@ -26,7 +26,7 @@ from relay.tasks import build_task
 pytestmark = pytest.mark.timeout(480)
 
 
-EPOCHS = 4
+EPOCHS = 3
 
 
 @pytest.fixture(scope="module")
