@@ -228,9 +228,10 @@ def fit(
     trainer = build_trainer(cfg, run_id, run_data, callbacks, init_checkpoint)
     try:
         with (
+            # First: `wait_s` is bound whatever fails after it.
+            cluster.worker_wait(cfg.failure.worker_wait_s) as wait_s,
             console.follow(run_dir, cfg.epochs, out, also=tracked.announce),
             doctor.watching(cfg.doctor, run_dir, out),
-            cluster.worker_wait(cfg.failure.worker_wait_s) as wait_s,
         ):
             times["fit_called"] = time.time()
             result = trainer.fit()
