@@ -121,6 +121,11 @@ class ScalingConfig(_Section):
         return (self.resources_per_worker or {}).get("CPU", 1.0)
 
     @property
+    def worker_resources(self) -> dict[str, float]:
+        """What each worker asks Ray for: `resources_per_worker`, else Ray Train's default."""
+        return self.resources_per_worker or {"CPU": 1.0, **({"GPU": 1.0} if self.use_gpu else {})}
+
+    @property
     def elastic(self) -> bool:
         return self.min_workers != self.max_workers
 

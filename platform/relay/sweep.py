@@ -132,14 +132,10 @@ def max_concurrent_trials(cfg: SweepConfig) -> int:
 def trials_that_fit(cfg: SweepConfig) -> int:
     """How many trials' worker groups the cluster's free resources hold at once."""
     scaling = cfg.train.scaling
-    per_worker = scaling.resources_per_worker or {
-        "CPU": 1.0,
-        **({"GPU": 1.0} if scaling.use_gpu else {}),
-    }
     free = ray.available_resources()
     fits = [
         math.floor(free.get(name, 0.0) / (amount * scaling.max_workers))
-        for name, amount in per_worker.items()
+        for name, amount in scaling.worker_resources.items()
         if amount > 0
     ]
     return max(1, min(fits, default=1))

@@ -236,11 +236,11 @@ def fit(
             times["fit_called"] = time.time()
             result = trainer.fit()
     except BaseException as exc:
-        wall = _memory_wall(cfg, run_id, exc) or _not_placed(cfg, run_id, exc, wait_s)
-        _record_failure(run_dir, record, wall or exc)
+        explained = _memory_wall(cfg, run_id, exc) or _not_placed(cfg, run_id, exc, wait_s)
+        _record_failure(run_dir, record, explained or exc)
         tracked.close("FAILED" if isinstance(exc, Exception) else "KILLED")
-        if wall:
-            raise wall from exc
+        if explained:
+            raise explained from exc
         raise
     finally:
         if cfg.scaling.memory_per_worker:  # once Ray has ended the worker processes in them
@@ -323,18 +323,12 @@ def _not_placed(cfg: RunConfig, run_id: str, exc: BaseException, wait_s: float) 
         return None
     import ray
 
-    try:  # e.g. a host lost, or resources other runs or trials hold
-        free = {
-            k: round(v, 2)
-            for k, v in sorted(ray.available_resources().items())
-            # Not a node's own marker, memory, or a placement group's share of a resource
-            if not k.startswith("node:")
-            and k not in ("memory", "object_store_memory")
-            and "_group_" not in k
-        }
+    per_worker = cfg.scaling.worker_resources
+    try:  # what a lost host, or other runs and trials, left of the resources a worker needs
+        available = ray.available_resources()
+        free = {name: round(available.get(name, 0.0), 2) for name in per_worker}
     except Exception:  # the cluster itself is gone: the message does without
         free = "unknown"
-    per_worker = cfg.scaling.resources_per_worker or {"CPU": cfg.scaling.cpus_per_worker}
     starts = cfg.failure.start_failures + 1
     return WorkersNotPlaced(
         f"run {run_id}: the cluster could not place {cfg.scaling.describe()} "
