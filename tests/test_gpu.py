@@ -3,9 +3,8 @@ allocator against `relay plan`, sharded checkpoints written from GPU tensors, fs
 ranks on the GPU, and the epoch loop under torchrun.
 
 Skipped where torch sees no GPU (CI and this project's machines). Run where one is lent, with
-relay importable (`PYTHONPATH=platform` is enough: none of this imports Ray, whose wheel is
-too large to carry to such a machine — Ray Train's own GPU wiring, its `get_device()` and
-NCCL process group per worker, is the part these checks cannot reach):
+relay importable (`PYTHONPATH=platform` is enough): all but the last need no Ray; the last,
+a whole `relay.train` run with `scaling.use_gpu`, skips where Ray is not installed.
 
     PYTHONPATH=platform python -m pytest tests/test_gpu.py -v
 """
@@ -256,3 +255,35 @@ def test_the_epoch_loop_trains_on_one_gpu_under_torchrun(tmp_path):
     print(json.dumps([{k: e[k] for k in ("val_loss", "samples_per_s")} for e in epochs]))
     val = [e["val_loss"] for e in epochs]
     assert len(val) == 3 and val[-1] < val[0], val
+
+
+def test_a_relay_run_trains_on_the_gpu_through_ray_train(tmp_path, monkeypatch):
+    """The whole path a user takes: `relay.train` with `scaling.use_gpu` — Ray places the
+    worker on the GPU, Ray Train gives it an NCCL group and its device, relay trains in bf16,
+    checkpoints shard by shard and reports the GPU's memory. Skipped where Ray is not
+    installed (it is wherever relay is; a lent GPU machine may lack it)."""
+    pytest.importorskip("ray")
+    import ray
+
+    import relay
+    from relay import checkpoint, cluster
+
+    monkeypatch.setenv("RELAY_HOME", str(tmp_path))
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    cfg = relay.load_config(
+        str(CHARLM),
+        [*DEBUG, "epochs=2", "scaling.num_workers=1", "scaling.use_gpu=true",
+         "parallel.mixed_precision=bf16", "checkpoint.format=sharded"],
+    )  # fmt: skip
+    cluster.connect(num_cpus=4)
+    try:
+        assert ray.cluster_resources().get("GPU", 0) >= 1
+        result = relay.train(cfg)
+    finally:
+        ray.shutdown()
+    losses = [epoch["val_loss"] for epoch in result.history]
+    print(json.dumps({"val_loss": losses, "startup_s": result.startup_s}))
+    assert len(losses) == 2 and losses[-1] < losses[0]
+    assert result.checkpoint and checkpoint.is_sharded(result.checkpoint)
+    assert result.efficiency["memory"]["kind"] == "cuda_allocated"
+    assert all(r["peak_memory_bytes"] > 0 for r in result.efficiency["memory"]["per_rank"])
