@@ -2,7 +2,8 @@
 (`scaling.memory_per_worker`), and the model's fp32 weights, gradients and Adam state take
 ~963 MiB — about twice that. ddp, which keeps all of it on every rank, must fail cleanly
 naming the rank; fsdp on 4 workers (1/4 of it per rank, meta-initialised, sharded checkpoints)
-must train, lose a worker, and resume under the same limit."""
+must train, lose a worker, and resume under the same limit. An out-of-memory ends the run at
+once (no restart would get past it); a killed worker restarts as any failure does."""
 
 from __future__ import annotations
 
@@ -58,7 +59,9 @@ def _groups_left(run_id: str) -> list[Path]:
 
 
 def test_ddp_past_the_limit_fails_naming_the_rank_and_the_way_out(ray_cluster, relay_home):
-    cfg = _config("wall-ddp", "ddp", workers=2, cpus=1, epochs=1, failures=0)
+    # Restarts allowed, but an out-of-memory at the limit ends the run at once: the same
+    # wall would be met on every try.
+    cfg = _config("wall-ddp", "ddp", workers=2, cpus=1, epochs=1, failures=2)
     started = time.monotonic()
     with pytest.raises(worker_memory.OutOfMemory) as failed:
         relay.train(cfg, out=None)
@@ -72,6 +75,7 @@ def test_ddp_past_the_limit_fails_naming_the_rank_and_the_way_out(ray_cluster, r
     run = _only_run(relay_home, "wall-ddp")
     assert run["status"] == "failed"
     assert "out of memory on rank" in run["error"]
+    assert len(history.failure_times(run["run_dir"])) == 1  # one failure, no restart
     assert _groups_left(run["run_id"]) == []  # the per-rank cgroups are gone with the run
 
 

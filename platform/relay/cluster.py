@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -320,3 +321,55 @@ def with_serve_version(deployment, version: str):
     Serve's own config path uses. No public API does this in Ray 2.60.
     """
     return deployment.options(version=version, _internal=True)
+
+
+def torch_trainer(*, out_of_memory_ends: tuple[str, int] | None = None, **kwargs: Any):
+    """Ray Train's TorchTrainer over `kwargs`. With `out_of_memory_ends` (run id, ranks) a
+    worker group that ran out of memory under `scaling.memory_per_worker` ends the run at once
+    instead of restarting up to `failure.max_failures` times: the same model on the same ranks
+    meets the same wall on every try. Any other failure (a killed worker, a lost node) restarts
+    as before.
+
+    Private: Ray Train 2.60 takes no failure policy from its users (FailureConfig holds only
+    counts); the trainer hands its controller the policy `create_failure_policy` makes, as an
+    argument of `_initialize_and_run_controller`, which the subclass below replaces."""
+    from ray.train.torch import TorchTrainer
+
+    if out_of_memory_ends is None:
+        return TorchTrainer(**kwargs)
+    run_id, ranks = out_of_memory_ends
+    policy_class = _out_of_memory_ends_the_run()
+
+    class _Trainer(TorchTrainer):
+        def _initialize_and_run_controller(self, **controller_kwargs: Any):
+            failure_config = self.run_config.failure_config
+            controller_kwargs["failure_policy"] = policy_class(failure_config, run_id, ranks)
+            return super()._initialize_and_run_controller(**controller_kwargs)
+
+    return _Trainer(**kwargs)
+
+
+@functools.cache
+def _out_of_memory_ends_the_run() -> type:
+    """Ray's default failure policy, except for out-of-memory failures. Made on first use: its
+    base class's module costs ~0.9 s to import, which only a run pays. (Made inside a function,
+    the class travels to the controller by value, through Ray's cloudpickle.)"""
+    from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy
+    from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    class OutOfMemoryEndsTheRun(DefaultFailurePolicy):
+        def __init__(self, failure_config: Any, run_id: str, ranks: int) -> None:
+            super().__init__(failure_config)
+            self.run_id, self.ranks = run_id, ranks
+
+        def make_decision(self, training_failed_error: Any) -> Any:
+            from relay import worker_memory
+
+            if isinstance(training_failed_error, WorkerGroupError) and (
+                worker_memory.ranks_out_of_memory(self.run_id, self.ranks, training_failed_error)
+            ):
+                return FailureDecision.RAISE
+            return super().make_decision(training_failed_error)
+
+    return OutOfMemoryEndsTheRun

@@ -7,7 +7,6 @@ result.checkpoint                  # absolute path of the best checkpoint direct
 
 from __future__ import annotations
 
-import re
 import secrets
 import sys
 import time
@@ -69,7 +68,6 @@ def build_trainer(
     init_checkpoint: str | None = None,
 ):
     import ray.train
-    from ray.train.torch import TorchTrainer
 
     from relay.loop import train_loop_per_worker
 
@@ -103,8 +101,11 @@ def build_trainer(
         # Where a run without checkpoints of its own starts (a PBT exploit: another trial's).
         "init_checkpoint": init_checkpoint,
     }
-    return TorchTrainer(
-        train_loop_per_worker,
+    limited = cfg.scaling.memory_per_worker is not None
+    return cluster.torch_trainer(
+        # Out of memory at the limit: the same wall on every restart, so the run ends at once.
+        out_of_memory_ends=(run_id, cfg.scaling.max_workers) if limited else None,
+        train_loop_per_worker=train_loop_per_worker,
         train_loop_config=loop_config,
         scaling_config=scaling,
         run_config=run_config,
@@ -297,11 +298,7 @@ def _memory_wall(cfg: RunConfig, run_id: str, exc: BaseException) -> Exception |
     limit = cfg.scaling.memory_per_worker
     if not limit or not isinstance(exc, Exception):
         return None
-    killed = worker_memory.ranks_killed(run_id, cfg.scaling.max_workers)  # by the OOM killer
-    refused = sorted(  # by RLIMIT_DATA: the worker raised OutOfMemory itself
-        {int(rank) for rank in re.findall(r"rank (\d+): out of memory at its limit", str(exc))}
-    )
-    ranks = killed or refused
+    ranks = worker_memory.ranks_out_of_memory(run_id, cfg.scaling.max_workers, exc)
     if not ranks:
         return None
     return worker_memory.OutOfMemory(

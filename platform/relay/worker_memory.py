@@ -15,6 +15,7 @@ allocations past it fail inside torch (a RuntimeError) instead.
 from __future__ import annotations
 
 import os
+import re
 import resource
 import time
 from dataclasses import dataclass
@@ -130,6 +131,16 @@ def _data_size() -> int:
             if line.startswith("VmData:"):
                 return int(line.split()[1]) * 1024
     raise OSError("no VmData in /proc/self/status")
+
+
+def ranks_out_of_memory(run_id: str, ranks: int, error: BaseException) -> list[int]:
+    """The ranks that hit their limit in the failure `error` of run `run_id`: ended by the OOM
+    killer (cgroup), or refused an allocation and said so (RLIMIT_DATA: the loop's
+    OutOfMemory, whose text the worker failure carries)."""
+    refused = {
+        int(rank) for rank in re.findall(r"rank (\d+): out of memory at its limit", str(error))
+    }
+    return ranks_killed(run_id, ranks) or sorted(refused)
 
 
 def ranks_killed(run_id: str, ranks: int) -> list[int]:
