@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from support import BIN, stop_session, subprocess_env
 
 from relay import history, registry, sweep
 from relay.config import ConfigError, SweepConfig, sweep_from_dict
@@ -152,3 +157,65 @@ def test_a_copied_optimizer_trains_with_the_new_configs_hyperparameters():
     group = mine.param_groups[0]
     assert (group["lr"], group["weight_decay"]) == (0.012, 0.05)
     assert mine.state_dict()["state"][0]["step"] == 1  # the donor's moments stay
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_pbt_sweep_resumes_from_its_trials_checkpoints(tmp_path):
+    """Kill the sweep's driver once every trial has handed PBT its checkpoint at the first
+    interval; `relay tune --resume` finishes the population from those checkpoints: every
+    epoch trained after the resume comes after the interval (nothing restarts from scratch),
+    every trial ends at the last epoch, and the sweep is finished."""
+    storage = tmp_path / "storage"
+    spec = pbt_spec(storage, num_samples=2)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    env = subprocess_env(TUNE_GLOBAL_CHECKPOINT_S="1")  # Tune saves its state every second
+    runs = registry.runs_root(storage)
+
+    def sweep_runs() -> list[dict]:
+        return [r for r in registry.list_runs(storage) if r.get("sweep")]
+
+    def at_interval(run: dict) -> bool:
+        return any(e["epoch"] >= INTERVAL for e in history.read_raw(runs / run["run_id"]))
+
+    driver = subprocess.Popen(
+        [str(BIN / "relay"), "tune", str(path)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert driver.poll() is None, "the sweep ended before it could be interrupted"
+            started = sweep_runs()
+            if len(started) == 2 and all(at_interval(r) for r in started):
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the population never reached the first interval")
+        time.sleep(3)  # Tune takes the interval's checkpoints and saves its state
+    finally:
+        stop_session(driver, signals=((signal.SIGKILL, 15),))
+    assert not any(r["status"] == "finished" for r in sweep_runs()), "nothing left to resume"
+    (sweep_dir,) = (storage / "sweeps").iterdir()
+
+    resumed_at = time.time()
+    resumed = subprocess.run(
+        [str(BIN / "relay"), "tune", "--resume", sweep_dir.name, "--storage", str(storage),
+         "--json"],
+        env=env, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    result = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert len(result["trials"]) == 2
+    assert all(t["status"] == "completed" and t["epochs_run"] == EPOCHS for t in result["trials"])
+    after = [
+        e
+        for r in sweep_runs()
+        for e in history.read_raw(runs / r["run_id"])
+        if e["time"] >= resumed_at
+    ]
+    assert after, "nothing trained after the resume"
+    assert min(e["epoch"] for e in after) > INTERVAL, sorted(e["epoch"] for e in after)
+    assert max(e["epoch"] for e in after) == EPOCHS
+    assert result["model"].startswith("digits:")
