@@ -16,13 +16,18 @@ the allocator setting a limit brings, see relay.worker_memory). Figures per rank
 run's efficiency report:
   growth   peak RSS minus RSS when the loop started: all that training added (model state,
            activations, gathered parameters, a full checkpoint's gather on rank 0, buffers)
+  start-up the kernel's high-water mark of the resident set from the loop's start until the
+           model is built and its state loaded, before any step, minus RSS at the start (fsdp
+           builds on the meta device: each rank materialises its shards, one module whole at
+           a time)
   state    the bytes parameters, gradients and optimizer state occupy (relay.footprint)
   plan     `relay plan`'s total for the same config and worker count (model state +
            gathered parameters + activations), computed here in the bench's process
   activations  what one forward of a training batch adds until its backward, measured on the
            rank (relay.efficiency.activation_bytes), against the plan's activations
 Ratios: fsdp/ddp and zero1/ddp of the fullest rank's growth, at each worker count (the issue's
-goal: fsdp/ddp <= 0.55 at 2 workers, <= 0.35 at 4), and growth/plan, state/plan-state and
+goal: fsdp/ddp <= 0.55 at 2 workers, <= 0.35 at 4) and of its start-up (the issue: "peak host
+memory per rank at start proportional to 1/N of the model"), and growth/plan, state/plan-state and
 activations/plan-activations (the issue's goal for the plan: within 15% per term).
 
 Part 2, checkpoint save at 2 workers (no Ray: two processes with a gloo group, the same
@@ -92,12 +97,14 @@ def measure_run(args: argparse.Namespace, storage: Path, strategy: str, workers:
     result, wall_s, others = fit_watched(cfg_dict, args.show_progress)
     ranks = result.efficiency["memory"]["per_rank"]
     growth = [r["peak_growth_bytes"] for r in ranks]
+    startup = [r["startup_growth_bytes"] for r in ranks]
     state = [r["state_bytes"] for r in ranks]
     activations = [r["activation_bytes"] for r in ranks]
     return {
         "strategy": strategy,
         "workers": workers,
         "growth_bytes_per_rank": growth,
+        "startup_growth_bytes_per_rank": startup,
         "state_bytes_per_rank": state,
         "plan_total_bytes": expected["total_bytes"],
         "plan_state_bytes": expected["model_state_bytes"],
@@ -234,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
                     print(
                         f"{strategy} x{workers}: growth/rank "
                         + "/".join(f"{b / MiB:,.0f}" for b in run["growth_bytes_per_rank"])
+                        + " MiB, start-up/rank "
+                        + "/".join(f"{b / MiB:,.0f}" for b in run["startup_growth_bytes_per_rank"])
                         + " MiB, state/rank "
                         + "/".join(f"{b / MiB:,.0f}" for b in run["state_bytes_per_rank"])
                         + f" MiB; plan {run['plan_total_bytes'] / MiB:,.0f} MiB (state "
@@ -257,11 +266,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     by = {(r["strategy"], r["workers"]): r for r in runs}
 
-    def ratio(strategy: str, workers: int) -> float | None:
+    def ratio(strategy: str, workers: int, key: str = "growth_bytes_per_rank") -> float | None:
         if (strategy, workers) not in by or ("ddp", workers) not in by:
             return None
         ours, ddp = by[strategy, workers], by["ddp", workers]
-        return max(ours["growth_bytes_per_rank"]) / max(ddp["growth_bytes_per_rank"])
+        return max(ours[key]) / max(ddp[key])
+
+    startup = "startup_growth_bytes_per_rank"
 
     print(
         json.dumps(
@@ -272,6 +283,10 @@ def main(argv: list[str] | None = None) -> None:
                 "fsdp_over_ddp_growth_4": ratio("fsdp", 4),
                 "zero1_over_ddp_growth_2": ratio("zero1", 2),
                 "zero1_over_ddp_growth_4": ratio("zero1", 4),
+                # Building the model alone (fsdp: on the meta device, each rank materialising
+                # its shards), before any step: the fullest rank's start-up peak over ddp's.
+                "fsdp_over_ddp_startup_2": ratio("fsdp", 2, startup),
+                "fsdp_over_ddp_startup_4": ratio("fsdp", 4, startup),
                 # The plan's terms against the ranks' measured ones: the furthest from 1.
                 "state_over_plan_worst": _worst(runs, "state_over_plan"),
                 "activations_over_plan_worst": _worst(runs, "activations_over_plan"),

@@ -287,7 +287,14 @@ def memory_wall(f: dict[str, Any]) -> str:
         f"at 2 workers, **{ratio(f['fsdp_over_ddp_growth_4'])}** at 4 (zero1/ddp "
         f"{ratio(f['zero1_over_ddp_growth_2'])}, {ratio(f['zero1_over_ddp_growth_4'])}); ddp "
         f"{growth('ddp', 2)}, fsdp {growth('fsdp', 2)} at 2, fsdp {growth('fsdp', 4)} at 4; "
-        f"checkpoint save at 2 workers gathered {seconds(f['save_gathered_s'])} vs sharded "
+        + (
+            f"start-up alone (building the model, fsdp on the meta device), fsdp/ddp: "
+            f"**{ratio(f['fsdp_over_ddp_startup_2'])}** at 2 workers, "
+            f"**{ratio(f['fsdp_over_ddp_startup_4'])}** at 4; "
+            if f.get("fsdp_over_ddp_startup_2") is not None
+            else ""
+        )
+        + f"checkpoint save at 2 workers gathered {seconds(f['save_gathered_s'])} vs sharded "
         f"{seconds(f['save_sharded_s'])} (**{ratio(f['save_sharded_over_gathered'])}**)"
         + (
             f"; measured/plan, the furthest from 1 over the runs: state "

@@ -91,10 +91,12 @@ def measure(
     batch: Batch,
     cfg: RunConfig,
     memory_at_start: int,
+    startup_peak: int,
 ):
     """Measure this process's training and return the combined report on rank 0 (None on the
     others). Runs after the last epoch, so it costs a few extra steps and changes no weights.
-    `memory_at_start`: what the rank held before it built anything (`current_memory()`)."""
+    `memory_at_start`: what the rank held before it built anything (`current_memory()`);
+    `startup_peak`: the most it held while building the model and loading its state."""
 
     from relay import footprint, parallel
 
@@ -122,6 +124,9 @@ def measure(
             # What training added to the process at its peak (the process's own start-up,
             # torch and Ray, is in memory_at_start).
             "peak_growth_bytes": memory["bytes"] - memory_at_start,
+            # What building the model and loading its state added at their peak, before any
+            # step: fsdp on the meta device holds its shards and one module whole here.
+            "startup_growth_bytes": startup_peak - memory_at_start,
             "activation_bytes": activations,
             "matmul_peak_flops": peak["flops_per_s"],
             "matmul_peak_size": peak["size"],
@@ -302,6 +307,7 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
                         "peak_memory_bytes",
                         "memory_at_start_bytes",
                         "peak_growth_bytes",
+                        "startup_growth_bytes",
                         "activation_bytes",
                         "param_bytes",
                         "grad_bytes",
@@ -465,7 +471,13 @@ def format_report(report: dict[str, Any]) -> str:
         growth = r["peak_memory_bytes"] - r["memory_at_start_bytes"]  # reports before v3 lack it
         lines.append(
             f"  rank {r['rank']:<7} peak {human_bytes(r['peak_memory_bytes'])} ({m['kind']}; "
-            f"+{human_bytes(growth)} over {human_bytes(r['memory_at_start_bytes'])} at start); "
+            f"+{human_bytes(growth)} over {human_bytes(r['memory_at_start_bytes'])} at start"
+            + (
+                f", +{human_bytes(r['startup_growth_bytes'])} building the model"
+                if "startup_growth_bytes" in r  # reports of older runs lack it
+                else ""
+            )
+            + "); "
             f"params {human_bytes(r['param_bytes'])}, grads {human_bytes(r['grad_bytes'])}, "
             f"optimizer {human_bytes(r['optimizer_bytes'])}"
             + (

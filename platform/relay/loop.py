@@ -128,6 +128,7 @@ def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     loop_started_at = time.time()
     parallel.set_device(ray.train.torch.get_device())
     memory_at_start = parallel.current_memory()  # the worker process before any training state
+    parallel.reset_peak()  # the start-up peak: building the model and loading its state
     cfg = RunConfig.model_validate(loop_config["run"])
     run_dir = Path(loop_config["run_dir"])
     confined = None
@@ -169,6 +170,7 @@ def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
         # The schedule's position follows from the epoch, not from the saved step count: a run
         # resumed on another worker count (or grad_accum) has another number of steps per epoch.
         fast_forward(scheduler, (start_epoch - 1) * steps)
+    startup_peak = parallel.peak_since_reset()  # model built, its state loaded; nothing trained
 
     def batches(name: str, shuffle: bool):
         return ingest.open_batches(
@@ -201,7 +203,7 @@ def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     beat.phase("efficiency")
     if epochs.passes:
         probe = next(iter(train_data.epoch(0)))
-        report = efficiency.measure(task, engine, epochs, probe, cfg, memory_at_start)
+        report = efficiency.measure(task, engine, epochs, probe, cfg, memory_at_start, startup_peak)
     digests = parallel.gather_objects(engine.replica_digest())
     beat.phase("done")
     if not parallel.is_main():

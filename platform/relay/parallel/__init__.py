@@ -33,7 +33,7 @@ from relay.parallel.blocks import (
 )
 from relay.parallel.ddp import unwrap
 from relay.parallel.engine import PRECISION_DTYPES, STRATEGIES, Engine
-from relay.parallel.hardware import current_memory, peak_memory
+from relay.parallel.hardware import current_memory, peak_memory, peak_since_reset, reset_peak
 from relay.parallel.ranks import (
     barrier,
     device,
@@ -62,8 +62,10 @@ __all__ = [
     "gather_objects",
     "is_main",
     "peak_memory",
+    "peak_since_reset",
     "rank",
     "register_blocks",
+    "reset_peak",
     "set_device",
     "set_threads",
     "state_digest",

@@ -27,3 +27,29 @@ def peak_memory() -> dict[str, Any]:
         "bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "kind": "process_peak_rss",
     }
+
+
+def reset_peak() -> None:
+    """Count this rank's peak afresh from here (`peak_since_reset`): the CUDA allocator's peak
+    on GPU; on CPU the kernel's high-water mark of the resident set (VmHWM), reset through
+    /proc/self/clear_refs (Linux 4.0 on). Where that cannot be written the mark stays the
+    process's own: an upper bound."""
+    if device().type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device())
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # 5: reset the peak resident set size
+    except OSError:
+        pass
+
+
+def peak_since_reset() -> int:
+    """The most memory this rank held since `reset_peak` (see there)."""
+    if device().type == "cuda":
+        return torch.cuda.max_memory_allocated(device())
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    return peak_memory()["bytes"]
