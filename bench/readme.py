@@ -277,10 +277,17 @@ def startup(f: dict[str, Any]) -> str:
 
 
 def memory_wall(f: dict[str, Any]) -> str:
-    def growth(strategy: str, workers: int) -> str:
+    def run_of(strategy: str, workers: int) -> dict[str, Any]:
         (run,) = [r for r in f["runs"] if (r["strategy"], r["workers"]) == (strategy, workers)]
+        return run
+
+    def growth(strategy: str, workers: int) -> str:
+        run = run_of(strategy, workers)
         fullest = max(run["growth_bytes_per_rank"])
         return f"{mib(fullest)} (plan {mib(run['plan_total_bytes'])})"
+
+    def startup(strategy: str, workers: int) -> str:
+        return mib(max(run_of(strategy, workers)["startup_growth_bytes_per_rank"]))
 
     return (
         f"peak RSS growth of the fullest rank, fsdp/ddp: **{ratio(f['fsdp_over_ddp_growth_2'])}** "
@@ -290,7 +297,8 @@ def memory_wall(f: dict[str, Any]) -> str:
         + (
             f"start-up alone (building the model, fsdp on the meta device), fsdp/ddp: "
             f"**{ratio(f['fsdp_over_ddp_startup_2'])}** at 2 workers, "
-            f"**{ratio(f['fsdp_over_ddp_startup_4'])}** at 4; "
+            f"**{ratio(f['fsdp_over_ddp_startup_4'])}** at 4 (fullest rank: ddp "
+            f"{startup('ddp', 2)}, fsdp {startup('fsdp', 2)} at 2, {startup('fsdp', 4)} at 4); "
             if f.get("fsdp_over_ddp_startup_2") is not None
             else ""
         )
