@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from relay.processes import session_members, stop_session  # noqa: F401 - for the tests
@@ -209,3 +211,28 @@ def pixels_of(screenshot: Path, rgb: tuple[int, int, int], tolerance: int = 30) 
             for pixel in image.convert("RGB").getdata()
             if all(abs(c - r) <= tolerance for c, r in zip(pixel, rgb, strict=True))
         )
+
+
+@contextlib.contextmanager
+def sweep_driver(path: Path, env: dict[str, str]) -> Iterator[subprocess.Popen]:
+    """`relay tune PATH` in a session of its own, killed with its whole session (SIGKILL) when
+    the block ends: a sweep interrupted as a crash would interrupt it."""
+    driver = subprocess.Popen(
+        [str(BIN / "relay"), "tune", str(path)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        yield driver
+    finally:
+        stop_session(driver, signals=((signal.SIGKILL, 15),))
+
+
+def resume_sweep(sweep_dir: Path, storage: Path, env: dict[str, str]) -> dict:
+    """`relay tune --resume` of an interrupted sweep, to its end; its `--json` result."""
+    resumed = subprocess.run(
+        [str(BIN / "relay"), "tune", "--resume", sweep_dir.name, "--storage", str(storage),
+         "--json"],
+        env=env, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    return {"stdout": resumed.stdout, **json.loads(resumed.stdout.strip().splitlines()[-1])}

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from support import BIN, stop_session, subprocess_env
+from support import resume_sweep, subprocess_env, sweep_driver
 
 from relay import history, registry, sweep
 from relay.config import ConfigError, SweepConfig, sweep_from_dict
@@ -179,11 +177,7 @@ def test_a_killed_pbt_sweep_resumes_from_its_trials_checkpoints(tmp_path):
     def at_interval(run: dict) -> bool:
         return any(e["epoch"] >= INTERVAL for e in history.read_raw(runs / run["run_id"]))
 
-    driver = subprocess.Popen(
-        [str(BIN / "relay"), "tune", str(path)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    try:
+    with sweep_driver(path, env) as driver:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             assert driver.poll() is None, "the sweep ended before it could be interrupted"
@@ -194,19 +188,11 @@ def test_a_killed_pbt_sweep_resumes_from_its_trials_checkpoints(tmp_path):
         else:
             pytest.fail("the population never reached the first interval")
         time.sleep(3)  # Tune takes the interval's checkpoints and saves its state
-    finally:
-        stop_session(driver, signals=((signal.SIGKILL, 15),))
     assert not any(r["status"] == "finished" for r in sweep_runs()), "nothing left to resume"
     (sweep_dir,) = (storage / "sweeps").iterdir()
 
     resumed_at = time.time()
-    resumed = subprocess.run(
-        [str(BIN / "relay"), "tune", "--resume", sweep_dir.name, "--storage", str(storage),
-         "--json"],
-        env=env, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    result = json.loads(resumed.stdout.strip().splitlines()[-1])
+    result = resume_sweep(sweep_dir, storage, env)
     assert len(result["trials"]) == 2
     assert all(t["status"] == "completed" and t["epochs_run"] == EPOCHS for t in result["trials"])
     after = [

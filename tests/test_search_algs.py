@@ -10,15 +10,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import signal
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from support import BIN, stop_session, subprocess_env
+from support import resume_sweep, subprocess_env, sweep_driver
 from test_sweep import _finished_trials, relay_json, sweep_config
 
 from relay import registry, sweep
@@ -146,11 +144,7 @@ def test_killed_tpe_sweep_resumes_with_its_searcher_state(tmp_path):
     # Tune saves its experiment state at most every 10 s ("auto"); 1 s here: less to wait for.
     env = subprocess_env(TUNE_GLOBAL_CHECKPOINT_S="1")
 
-    driver = subprocess.Popen(
-        [str(BIN / "relay"), "tune", str(path)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    try:
+    with sweep_driver(path, env) as driver:
         deadline = time.monotonic() + 300
         while not _finished_trials(storage) and time.monotonic() < deadline:
             assert driver.poll() is None, "the sweep ended before it could be interrupted"
@@ -164,8 +158,6 @@ def test_killed_tpe_sweep_resumes_with_its_searcher_state(tmp_path):
             if states and max(p.stat().st_mtime for p in states) > done_at + 1:
                 break
             time.sleep(0.5)
-    finally:
-        stop_session(driver, signals=((signal.SIGKILL, 15),))
     before = _finished_trials(storage)
     assert len(before) < 3, "the sweep finished before it was interrupted"
     assert list(sweep_dir.glob("searcher-state-*.pkl")), "Tune saved no searcher state"
@@ -180,14 +172,8 @@ def test_killed_tpe_sweep_resumes_with_its_searcher_state(tmp_path):
     for run_id in before:
         assert (listed[run_id]["status"], listed[run_id]["epochs_run"]) == ("completed", 2)
 
-    resumed = subprocess.run(
-        [str(BIN / "relay"), "tune", "--resume", sweep_dir.name, "--storage", str(storage),
-         "--json"],
-        env=env, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "search tpe" in resumed.stdout  # the summary names the algorithm
-    result = json.loads(resumed.stdout.strip().splitlines()[-1])
+    result = resume_sweep(sweep_dir, storage, env)
+    assert "search tpe" in result["stdout"]  # the summary names the algorithm
     # In the order TPE chose them (trials ran one at a time; ids are random, not ordered).
     trials = sorted(
         result["trials"], key=lambda t: registry.get_run(storage, t["run_id"])["started_at"]
