@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support import free_port
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -195,17 +195,11 @@ def test_a_sharded_checkpoint_written_from_the_gpu_resumes_exactly_and_consolida
         assert torch.equal(whole[name], tensor), name
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
         "--nproc_per_node", str(processes), "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), *args,
+        "--master_port", str(free_port()), *args,
     ]  # fmt: skip
     path = os.pathsep.join(filter(None, [str(REPO / "platform"), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}

@@ -117,10 +117,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
             # Under RLIMIT_DATA (worker_memory) an allocation past the limit fails in torch.
             limit = RunConfig.model_validate(loop_config["run"]).scaling.memory_per_worker
             if limit and ("allocate" in str(exc) or isinstance(exc, MemoryError)):
-                limit_text = limit.human_readable()
-                raise worker_memory.OutOfMemory(
-                    f"rank {parallel.rank()}: out of memory at its limit of {limit_text}"
-                ) from exc
+                raise worker_memory.refused(parallel.rank(), limit.human_readable()) from exc
             raise
 
 

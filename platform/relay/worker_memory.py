@@ -36,6 +36,16 @@ class OutOfMemory(RuntimeError):
     """A run's workers did not fit their memory limit."""
 
 
+# What a rank's OutOfMemory says when RLIMIT_DATA refuses it an allocation; the driver and
+# the failure policy read the rank back from this text in the worker failure.
+_REFUSED = "out of memory at its limit of"
+
+
+def refused(rank: int, limit_text: str) -> OutOfMemory:
+    """The error a rank raises when an allocation past its RLIMIT_DATA limit fails."""
+    return OutOfMemory(f"rank {rank}: {_REFUSED} {limit_text}")
+
+
 def _group(run_id: str, rank: int) -> Path:
     """The rank's group, a child of the calling process's memory group: the driver and the
     workers it starts on this machine begin in the same one."""
@@ -137,10 +147,8 @@ def ranks_out_of_memory(run_id: str, ranks: int, error: BaseException) -> list[i
     """The ranks that hit their limit in the failure `error` of run `run_id`: ended by the OOM
     killer (cgroup), or refused an allocation and said so (RLIMIT_DATA: the loop's
     OutOfMemory, whose text the worker failure carries)."""
-    refused = {
-        int(rank) for rank in re.findall(r"rank (\d+): out of memory at its limit", str(error))
-    }
-    return ranks_killed(run_id, ranks) or sorted(refused)
+    said = {int(rank) for rank in re.findall(rf"rank (\d+): {_REFUSED}", str(error))}
+    return ranks_killed(run_id, ranks) or sorted(said)
 
 
 def ranks_killed(run_id: str, ranks: int) -> list[int]:
