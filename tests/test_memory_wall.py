@@ -136,8 +136,14 @@ def test_fsdp_trains_checkpoints_and_resumes_under_the_same_limit(ray_cluster, r
     # is the fullest rank's (FSDP pads the last rank less), and the kernel counts pages.
     planned = plan.plan(cfg, 4, device_memory=64 << 30)["strategies"]["fsdp"]
     for rank in per_rank:
-        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"):
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             assert rank[key] == pytest.approx(planned[key], rel=0.15), (key, rank, planned)
+        assert rank["activation_bytes"] <= 1.15 * planned["activation_bytes"], (rank, planned)
+    # Activations are resident pages a forward adds: a rank whose forward lands on pages it
+    # already had resident counts less (seen once in CI: rank 0 at 9.8 MB, the others at ~17 MB,
+    # within 15% of the plan). So the fullest rank is held to the plan, and none may exceed it.
+    fullest = max(rank["activation_bytes"] for rank in per_rank)
+    assert fullest == pytest.approx(planned["activation_bytes"], rel=0.15), (per_rank, planned)
     last = Path(result.last_checkpoint)
     assert checkpoint.read_meta(last)["format"] == "sharded"
     shards = sorted(p.name for p in (last / checkpoint.SHARDS).iterdir())
