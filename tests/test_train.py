@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import relay
-from relay import checkpoint, registry
+from relay import checkpoint, cluster, registry
 from relay.config import from_dict
 from relay.tasks import BUILTIN, build_task
 from relay.trainer import WorkersNotPlaced
@@ -78,6 +78,12 @@ def test_checkpoint_retention_keeps_the_best(ray_cluster, relay_home):
 
     assert list_actors(filters=[("class_name", "=", "TrainController")], limit=1000)
     assert not list_actors(filters=[("class_name", "=", "PreemptionWatcher")], limit=1000)
+
+    # The run's controller ended with it: Ray's Ctrl-C handler, which holds its handle, is gone.
+    deadline = time.monotonic() + 30
+    while cluster.alive_actors("TrainController") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cluster.alive_actors("TrainController") == 0
 
 
 def test_a_run_whose_workers_cannot_be_placed_fails_within_its_bound_then_resumes(

@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -109,6 +111,27 @@ def worker_wait(wait_s: float | None) -> Iterator[float]:
             os.environ.pop(WORKER_WAIT_ENV, None)
         else:
             os.environ[WORKER_WAIT_ENV] = before
+
+
+@contextmanager
+def run_ends_with_fit() -> Iterator[None]:
+    """For the fit() called inside: its run's controller actor ends when fit() returns.
+
+    fit() on the main thread installs a SIGINT handler (Ctrl-C aborts the run) and leaves it
+    there; the handler holds the run's controller handle, so the controller — a process —
+    lived on after the run, until the next main-thread fit() replaced the handler (Ray 2.60,
+    DataParallelTrainer._register_sigint_handler). A sweep started after a run then waited its
+    whole settle time for that controller. Putting back the handler that was there drops it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Ray installs no handler off the main thread (Tune's trials)
+        return
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        if before is not None:  # None: a handler not installed from Python, left as it is
+            signal.signal(signal.SIGINT, before)
 
 
 def gave_up_placing_workers(exc: BaseException) -> bool:
@@ -220,22 +243,28 @@ def _live(pg) -> bool:
     return pg.state in (pg.PENDING, pg.PREPARED, pg.CREATED, pg.RESCHEDULING)
 
 
-def _settled(job) -> bool:
-    """No Train controller of `job` alive, and no group made by one of its actors live.
+def _train_controllers(job) -> set[str]:
+    """The ids of `job`'s Train controllers alive now."""
+    from ray._private.state import state
+
+    alive = state.actor_table(None, job_id=job, actor_state_name="ALIVE")
+    return {id_ for id_, actor in alive.items() if actor["ActorClassName"] == "TrainController"}
+
+
+def _settled(job, others: set[str]) -> bool:
+    """No Train controller of `job` alive but `others`, and no group made by one of its
+    actors live.
 
     PENDING groups count: a dead trial's pending group would be created (and hold its
     CPUs) as soon as the ending trials free them. Only this job's are waited for; another
     job's on a shared cluster are none of its doing.
     """
-    from ray._private.state import state
-
     if any(
         _made_by_actor(pg) and _live(pg) and pg.creator_job_id == job.binary()
         for pg in _placement_groups()
     ):
         return False
-    alive = state.actor_table(None, job_id=job, actor_state_name="ALIVE").values()
-    return not any(actor["ActorClassName"] == "TrainController" for actor in alive)
+    return not _train_controllers(job) - others
 
 
 def alive_actors(class_name: str) -> int:
@@ -287,8 +316,8 @@ def release_orphaned_placement_groups() -> int:
 @contextmanager
 def reclaiming_orphans(interval_s: float = 2.0, settle_s: float = 60.0) -> Iterator[None]:
     """Release orphaned placement groups every `interval_s` while the block runs, and at its
-    end until this job has no Train controller alive and no group made by an actor left
-    (at most `settle_s`).
+    end until this job has no Train controller alive but those alive before the block, and no
+    group made by an actor left (at most `settle_s`).
 
     The wait at the end matters: Tune returns once it has stopped its trial actors, but a
     stopped trial's controller dies only when Ray propagates its owner's death. Until then
@@ -296,6 +325,8 @@ def reclaiming_orphans(interval_s: float = 2.0, settle_s: float = 60.0) -> Itera
     (a sweep's CI run was left with a PENDING one after a 10 s wait for groups alone).
     """
     job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    # Controllers alive before the block are another run's of this process, not the block's.
+    others = _train_controllers(job)
     try:
         with background.every(interval_s, release_orphaned_placement_groups, "relay-pg-reclaim"):
             yield
@@ -303,7 +334,7 @@ def reclaiming_orphans(interval_s: float = 2.0, settle_s: float = 60.0) -> Itera
         deadline = time.monotonic() + settle_s
         while time.monotonic() < deadline:
             release_orphaned_placement_groups()
-            if _settled(job):
+            if _settled(job, others):
                 break
             time.sleep(0.5)
 

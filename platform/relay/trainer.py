@@ -231,6 +231,7 @@ def fit(
         with (
             # First: `wait_s` is bound whatever fails after it.
             cluster.worker_wait(cfg.failure.worker_wait_s) as wait_s,
+            cluster.run_ends_with_fit(),
             console.follow(run_dir, cfg.epochs, out, also=tracked.announce),
             doctor.watching(cfg.doctor, run_dir, out),
         ):
