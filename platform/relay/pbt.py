@@ -49,8 +49,10 @@ from ray.tune.schedulers import PopulationBasedTraining
 from relay import checkpoint, history, registry, trainer
 from relay.config import SweepConfig, trial_config
 
-# PBT's clock. Reported on every epoch but the last: PBT never acts on a trial's final epoch
-# (a copy made there would have nothing left to train).
+# PBT's clock, reported only on the epochs PBT may act after (`acts_at`): never a trial's last
+# (a copy made there would have nothing left to train), and never between intervals — Tune's
+# restore of a sweep sets every trial's last perturbation back to 0, so a resumed trial's first
+# epoch past an interval would otherwise act again, from the donor's checkpoint of that interval.
 TIME_ATTR = "pbt_epoch"
 # In each Tune checkpoint: which Train run, trial and epoch its files came from.
 SOURCE = "relay_source.json"
@@ -106,7 +108,7 @@ def scheduler(cfg: SweepConfig) -> PopulationBasedTraining:
         resample_probability=cfg.pbt.resample_probability,
         custom_explore_fn=_WithinBounds(cfg),
         synch=cfg.pbt.synch,
-        # The last epoch's report carries no TIME_ATTR on purpose (see above).
+        # Most reports carry no TIME_ATTR, on purpose (see above).
         require_attrs=False,
     )
 
@@ -266,7 +268,7 @@ def trial_driver(
     while (item := ray.get(mailbox.get.remote())) is not None:
         metrics, path, hold = item
         epoch = metrics.get("epoch", 0)
-        if epoch < cfg.epochs:
+        if acts_at(epoch, interval, cfg.epochs):
             metrics[TIME_ATTR] = epoch
         metrics["chosen_by"] = chosen_by
         if hold and path:
