@@ -40,6 +40,9 @@ def head_node():
     # CLI and the job's driver (which inherits the raylet's environment) all present it.
     env = subprocess_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     env.pop("RAY_ADDRESS")
+    # On SIGTERM `ray start --block` drains its node first (up to 30 s by default), for Serve
+    # traffic on a node leaving a cluster that stays; this whole cluster is going.
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
     cmd = [
         str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats",
         "--num-cpus=3", f"--temp-dir={temp_dir}",

@@ -119,6 +119,7 @@ def test_doctor_names_the_stuck_rank_on_the_other_host(two_hosts, tmp_path):
     rank's node through a Ray task pinned there."""
     cluster, name = two_hosts, "hosts-doctor"
     marker = cluster.storage / f"{name}-stalled-at"
+    release = cluster.storage / f"{name}-release"  # ends the stall once both have examined it
     config = tmp_path / "stall.yaml"  # the same filesystem every host sees
     config.write_text(
         json.dumps(
@@ -126,7 +127,13 @@ def test_doctor_names_the_stuck_rank_on_the_other_host(two_hosts, tmp_path):
                 "name": name,
                 "task": "tests.stall_task:StallingTask",
                 "size": "debug",
-                "model": {"stall_rank": 1, "stall_at": 30, "stall_s": 45, "marker": str(marker)},
+                "model": {
+                    "stall_rank": 1,
+                    "stall_at": 30,
+                    "stall_s": 45,
+                    "marker": str(marker),
+                    "release": str(release),
+                },
                 "epochs": 3,
                 "batch_size": 32,
                 "storage": str(cluster.storage),
@@ -155,6 +162,7 @@ def test_doctor_names_the_stuck_rank_on_the_other_host(two_hosts, tmp_path):
         timeout=120,
     )
     assert asked.returncode == 0, asked.stderr[-4000:]
+    release.touch()
     assert cluster.job_outcome(submission_id) == "SUCCEEDED"
 
     reports = [json.loads(p.read_text()) for p in (run_dir / "doctor").glob("*/doctor.json")]

@@ -165,6 +165,9 @@ class NetnsCluster:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         self.env["PATH"] = f"{BIN}{os.pathsep}{self.env.get('PATH', '')}"
         self.env["RELAY_HOME"] = str(self.storage)
+        # On SIGTERM `ray start --block` drains its node first (up to 30 s by default), for
+        # Serve traffic on a node leaving a cluster that stays; stop() ends every host at once.
+        self.env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
         if token_auth:
             self.env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
         self._made_netns: list[str] = []
