@@ -26,7 +26,9 @@ LIMIT = "512MiB"
 WIDE = [2048] * 16  # a 63.1M-parameter MLP: 16 bytes/parameter ~ 963 MiB
 
 
-def _config(name: str, strategy: str, workers: int, cpus: float, epochs: int, failures: int):
+def _config(
+    name: str, strategy: str, workers: int, cpus: float, epochs: int, failures: int, **fields
+):
     return from_dict(
         {
             "name": name,
@@ -44,6 +46,7 @@ def _config(name: str, strategy: str, workers: int, cpus: float, epochs: int, fa
             },
             "failure": {"max_failures": failures},
             "checkpoint": {"keep": None},
+            **fields,
         }
     )
 
@@ -84,7 +87,11 @@ def test_ddp_past_the_limit_fails_naming_the_rank_and_the_way_out(ray_cluster, r
 
 
 def test_fsdp_trains_checkpoints_and_resumes_under_the_same_limit(ray_cluster, relay_home):
-    cfg = _config("wall-fsdp", "fsdp", workers=4, cpus=0.5, epochs=2, failures=1)
+    # 512 training rows: two steps an epoch on 4 ranks of 64. What is measured is a step's and
+    # a forward's memory, which the epoch's length does not change; each step here takes seconds.
+    cfg = _config(
+        "wall-fsdp", "fsdp", workers=4, cpus=0.5, epochs=2, failures=1, data={"val_fraction": 0.665}
+    )
     killed: list[int] = []
 
     def kill_a_worker_after_the_first_epoch():
