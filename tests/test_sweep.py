@@ -68,7 +68,13 @@ def relay_json(*argv: str):
 def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
     # overlap: one trial more than fits waits for workers while the others train (2 CPUs per
     # 1-worker trial: 2 fit on the test cluster's 4, the third waits).
-    cfg = sweep_config(storage, overlap=1, max_concurrent_trials=None)
+    # Three trials: two good learning rates, then a hopeless one that waits for workers.
+    cfg = sweep_config(
+        storage,
+        overlap=1,
+        max_concurrent_trials=None,
+        search={"optim.lr": {"grid": [3e-3, 1e-2, 1e-5]}},
+    )
     cfg.train.scaling.resources_per_worker = {"CPU": 2.0}
     cfg.train.scaling.threads_per_worker = 1  # as with the 1 CPU a worker has elsewhere
     assert sweep.max_concurrent_trials(cfg) == sweep.trials_that_fit(cfg) + 1
@@ -80,7 +86,7 @@ def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
     groups = ray.util.placement_group_table().values()
     assert [g for g in groups if g["state"] != "REMOVED"] == []
 
-    assert len(result.trials) == 4
+    assert len(result.trials) == 3
     epochs = {t["config"]["optim.lr"]: t["epochs_run"] for t in result.trials}
     assert any(e < cfg.asha.max_t for e in epochs.values()), epochs  # ASHA really stopped some
     assert max(epochs.values()) == cfg.asha.max_t
