@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import relay
-from relay import checkpoint, registry
+from relay import checkpoint, cluster, registry
 from relay.config import from_dict
 from relay.tasks import BUILTIN, build_task
 from relay.trainer import WorkersNotPlaced
@@ -64,18 +64,9 @@ def test_builtin_task_trains_with_two_ddp_workers(ray_cluster, relay_home, name)
     assert record["metrics"]["epoch"] == 4
 
 
-def alive_train_controllers() -> set[str]:
-    from ray.util.state import list_actors
-
-    alive = list_actors(
-        filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")], limit=1000
-    )
-    return {actor.actor_id for actor in alive}
-
-
 def test_checkpoint_retention_keeps_the_best(ray_cluster, relay_home):
     cfg = debug_config("digits", epochs=4, checkpoint={"every": 1, "keep": 2})
-    before = alive_train_controllers()
+    before = cluster.alive_actor_ids("TrainController")
     result = relay.train(cfg, out=None)
     kept = sorted(p.name for p in Path(result.run_dir).glob("epoch_*"))
     assert len(kept) == 2, kept
@@ -91,9 +82,9 @@ def test_checkpoint_retention_keeps_the_best(ray_cluster, relay_home):
 
     # The run's controller ended with it: Ray's Ctrl-C handler, which holds its handle, is gone.
     deadline = time.monotonic() + 30
-    while alive_train_controllers() - before and time.monotonic() < deadline:
+    while cluster.alive_actor_ids("TrainController") - before and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not alive_train_controllers() - before
+    assert not cluster.alive_actor_ids("TrainController") - before
 
 
 def test_a_run_whose_workers_cannot_be_placed_fails_within_its_bound_then_resumes(

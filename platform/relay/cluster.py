@@ -243,14 +243,6 @@ def _live(pg) -> bool:
     return pg.state in (pg.PENDING, pg.PREPARED, pg.CREATED, pg.RESCHEDULING)
 
 
-def _train_controllers(job) -> set[str]:
-    """The ids of `job`'s Train controllers alive now."""
-    from ray._private.state import state
-
-    alive = state.actor_table(None, job_id=job, actor_state_name="ALIVE")
-    return {id_ for id_, actor in alive.items() if actor["ActorClassName"] == "TrainController"}
-
-
 def _settled(job, others: set[str]) -> bool:
     """No Train controller of `job` alive but `others`, and no group made by one of its
     actors live.
@@ -264,17 +256,22 @@ def _settled(job, others: set[str]) -> bool:
         for pg in _placement_groups()
     ):
         return False
-    return not _train_controllers(job) - others
+    return not alive_actor_ids("TrainController", job) - others
+
+
+def alive_actor_ids(class_name: str, job=None) -> set[str]:
+    """The ids of the actors of class `class_name` alive on the connected cluster (`job`'s
+    only, if given). Asked of the GCS (Ray's public state API goes through the dashboard,
+    which may be off or still starting)."""
+    from ray._private.state import state
+
+    alive = state.actor_table(None, job_id=job, actor_state_name="ALIVE")
+    return {id_ for id_, actor in alive.items() if actor["ActorClassName"] == class_name}
 
 
 def alive_actors(class_name: str) -> int:
-    """How many actors of class `class_name` are alive on the connected cluster. Asked of the
-    GCS (Ray's public state API goes through the dashboard, which may be off or still
-    starting)."""
-    from ray._private.state import state
-
-    alive = state.actor_table(None, actor_state_name="ALIVE").values()
-    return sum(actor["ActorClassName"] == class_name for actor in alive)
+    """How many actors of class `class_name` are alive on the connected cluster."""
+    return len(alive_actor_ids(class_name))
 
 
 def _dead(actor_id: bytes) -> bool:
@@ -326,7 +323,7 @@ def reclaiming_orphans(interval_s: float = 2.0, settle_s: float = 60.0) -> Itera
     """
     job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
     # Controllers alive before the block are another run's of this process, not the block's.
-    others = _train_controllers(job)
+    others = alive_actor_ids("TrainController", job)
     try:
         with background.every(interval_s, release_orphaned_placement_groups, "relay-pg-reclaim"):
             yield
