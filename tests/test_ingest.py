@@ -151,11 +151,11 @@ def test_a_trial_shares_the_sweeps_put_only_when_its_data_would_be_the_same(ray_
     assert ingest.put_for_trials(streaming, ["optim.lr"]) is None
 
 
-def _split_coordinators() -> set[str]:
+def _actors(class_name: str) -> set[str]:
     from ray.util.state import list_actors
 
     actors = list_actors(
-        filters=[("class_name", "=", "SplitCoordinator")],
+        filters=[("class_name", "=", class_name)],
         limit=10_000,
         raise_on_missing_output=False,
     )
@@ -164,8 +164,12 @@ def _split_coordinators() -> set[str]:
 
 @pytest.mark.slow
 def test_in_memory_data_starts_no_split_coordinator_streaming_does(ray_cluster, relay_home):
-    def run(cache: bool) -> set[str]:
-        before = _split_coordinators()
+    """Nor Ray Train's DatasetManager, which Ray starts for every worker group, Datasets or not
+    (relay.cluster.torch_trainer leaves it out of a run without them)."""
+    watched = ("SplitCoordinator", "DatasetManager")
+
+    def run(cache: bool) -> dict[str, set[str]]:
+        before = {name: _actors(name) for name in watched}
         cfg = from_dict(
             {
                 "name": f"ingest-cache-{cache}",
@@ -180,11 +184,14 @@ def test_in_memory_data_starts_no_split_coordinator_streaming_does(ray_cluster, 
         result = relay.train(cfg, out=None, register=False)
         assert [e["epoch"] for e in result.history] == [1]
         assert result.replicas_in_sync is True
-        return _split_coordinators() - before
+        return {name: _actors(name) - before[name] for name in watched}
 
-    assert run(cache=True) == set()
-    # The same look-up finds the Ray Data path's coordinators (one per split dataset).
-    assert len(run(cache=False)) == 2
+    started = run(cache=True)
+    assert started == {"SplitCoordinator": set(), "DatasetManager": set()}, started
+    # The same look-up finds the Ray Data path's actors: a coordinator per split dataset, and
+    # the worker group's DatasetManager.
+    started = run(cache=False)
+    assert (len(started["SplitCoordinator"]), len(started["DatasetManager"])) == (2, 1), started
 
 
 # --- data from files (relay/sources.py) -----------------------------------------------------------

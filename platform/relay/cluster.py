@@ -352,29 +352,51 @@ def with_serve_version(deployment, version: str):
 
 
 def torch_trainer(*, out_of_memory_ends: tuple[str, int] | None = None, **kwargs: Any):
-    """Ray Train's TorchTrainer over `kwargs`. With `out_of_memory_ends` (run id, ranks) a
-    worker group that ran out of memory under `scaling.memory_per_worker` ends the run at once
-    instead of restarting up to `failure.max_failures` times: the same model on the same ranks
-    meets the same wall on every try. Any other failure (a killed worker, a lost node) restarts
-    as before.
+    """Ray Train's TorchTrainer over `kwargs`, with two changes that Ray 2.60 offers no public
+    way to make (its trainer builds its controller's callbacks and failure policy itself; the
+    subclass below replaces the two private methods that do it):
 
-    Private: Ray Train 2.60 takes no failure policy from its users (FailureConfig holds only
-    counts); the trainer hands its controller the policy `create_failure_policy` makes, as an
-    argument of `_initialize_and_run_controller`, which the subclass below replaces."""
+    - A run with no Ray Datasets starts no DatasetManager. Ray's DatasetsCallback creates that
+      actor, one more Python process importing Ray Data (~1.3 s of CPU), for every worker group
+      even when `datasets` is empty, beside the workers' own start-up on the same cores. relay's
+      in-memory ingest hands the workers object references instead (relay/ingest.py); a run
+      with Ray Data ingest keeps the callback as Ray has it.
+    - With `out_of_memory_ends` (run id, ranks) a worker group that ran out of memory under
+      `scaling.memory_per_worker` ends the run at once instead of restarting up to
+      `failure.max_failures` times: the same model on the same ranks meets the same wall on
+      every try. Any other failure (a killed worker, a lost node) restarts as before. Ray
+      Train takes no failure policy from its users (FailureConfig holds only counts)."""
+    return _relay_torch_trainer()(out_of_memory_ends=out_of_memory_ends, **kwargs)
+
+
+@functools.cache
+def _relay_torch_trainer() -> type:
+    """Made on first use, like the failure policy below: TorchTrainer's module is a Train
+    import that only a run pays for."""
     from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
-    if out_of_memory_ends is None:
-        return TorchTrainer(**kwargs)
-    run_id, ranks = out_of_memory_ends
-    policy_class = _out_of_memory_ends_the_run()
+    class RelayTorchTrainer(TorchTrainer):
+        def __init__(self, *, out_of_memory_ends: tuple[str, int] | None, **kwargs: Any):
+            self._out_of_memory_ends = out_of_memory_ends
+            super().__init__(**kwargs)
 
-    class _Trainer(TorchTrainer):
+        def _create_default_callbacks(self) -> list:
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
         def _initialize_and_run_controller(self, **controller_kwargs: Any):
-            failure_config = self.run_config.failure_config
-            controller_kwargs["failure_policy"] = policy_class(failure_config, run_id, ranks)
+            if self._out_of_memory_ends is not None:
+                run_id, ranks = self._out_of_memory_ends
+                policy = _out_of_memory_ends_the_run()(
+                    self.run_config.failure_config, run_id, ranks
+                )
+                controller_kwargs["failure_policy"] = policy
             return super()._initialize_and_run_controller(**controller_kwargs)
 
-    return _Trainer(**kwargs)
+    return RelayTorchTrainer
 
 
 @functools.cache
