@@ -159,6 +159,46 @@ def test_a_copied_optimizer_trains_with_the_new_configs_hyperparameters():
     assert mine.state_dict()["state"][0]["step"] == 1  # the donor's moments stay
 
 
+@pytest.mark.timeout(60)
+def test_a_seeded_sweeps_explore_draws_the_same_at_the_same_point(tmp_path):
+    """PBT draws from the global generators; relay's seeded scheduler makes each decision under
+    generators seeded by (sweep seed, trial, PBT time). Tune's own explore step, run under them:
+    the same point draws the same config, another point or seed draws its own, and draws
+    elsewhere in the process go on as if nothing had been drawn."""
+    import random
+
+    import numpy as np
+    from ray.tune.schedulers.pbt import _explore
+
+    from relay import cluster, pbt
+
+    spec = pbt_spec(tmp_path, search={
+        "optim.lr": {"loguniform": [1e-5, 3e-2]},
+        "optim.weight_decay": {"uniform": [0.0, 0.1]},
+        "batch_size": {"choice": [16, 32, 64]},
+    })  # fmt: skip
+    mutations = pbt.mutations(sweep_from_dict(spec))
+    start = {"params": {"optim.lr": 1e-3, "optim.weight_decay": 0.05, "batch_size": 32}}
+
+    def explore(*key: int) -> dict:
+        with cluster.drawing_from(*key):
+            # Resampling half the time: draws through both generators (a domain's sample(None)).
+            new, _ = _explore(json.loads(json.dumps(start)), mutations, 0.5, (1.2, 0.8), None)
+        return new["params"]
+
+    random.seed(11)
+    np.random.seed(11)
+    expected_next = random.random(), np.random.random()
+    random.seed(11)
+    np.random.seed(11)
+    draws = {key: explore(*key) for key in [(3, t, e) for t in range(4) for e in (2, 4)]}
+    assert (random.random(), np.random.random()) == expected_next
+    assert all(explore(*key) == params for key, params in draws.items())
+    distinct = {json.dumps(params, sort_keys=True) for params in draws.values()}
+    assert len(distinct) >= 6, draws  # 8 points: each its own draw, not one repeated
+    assert any(explore(4, *key[1:]) != params for key, params in draws.items())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_killed_pbt_sweep_resumes_from_its_trials_checkpoints(tmp_path):

@@ -399,6 +399,64 @@ def _relay_torch_trainer() -> type:
     return RelayTorchTrainer
 
 
+def population_based_training(*, seed: int | None, **kwargs: Any):
+    """Tune's PopulationBasedTraining over `kwargs`; with a `seed`, each of its decisions (which
+    stronger trial a weak one copies, how each hyperparameter is perturbed or resampled) draws
+    from generators seeded by (seed, the trial's place in the population, the PBT time of the
+    decision). So the same sweep makes the same choice at the same point whatever order its
+    trials' reports reach the driver in, and `relay tune --resume` makes the choices the
+    interrupted sweep would have.
+
+    Private: PBT takes no seed; it draws from Python's and NumPy's global generators
+    (`random.choice` of the donor and of the perturbation factor, a Tune domain's `sample(None)`
+    for a resample), all inside its `_checkpoint_or_exploit`, which the subclass wraps."""
+    if seed is None:
+        from ray.tune.schedulers import PopulationBasedTraining
+
+        return PopulationBasedTraining(**kwargs)
+    return _seeded_population_based_training()(seed=seed, **kwargs)
+
+
+@contextmanager
+def drawing_from(*key: int) -> Iterator[None]:
+    """Python's and NumPy's global generators seeded from `key` inside the block; the state
+    each had before is put back after it, so no other draw in the process changes."""
+    import random
+
+    import numpy as np
+
+    saved = random.getstate(), np.random.get_state()
+    random.seed("-".join(map(str, key)))
+    np.random.seed(list(key))
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+
+
+@functools.cache
+def _seeded_population_based_training() -> type:
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    class SeededPopulationBasedTraining(PopulationBasedTraining):
+        def __init__(self, *, seed: int, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self._seed = seed
+            self._place: dict[str, int] = {}  # trial id -> order of arrival (restored: the same)
+
+        def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
+            self._place.setdefault(trial.trial_id, len(self._place))
+            super().on_trial_add(tune_controller, trial)
+
+        def _checkpoint_or_exploit(self, trial: Any, *args: Any, **kwargs: Any) -> None:
+            at = int(self._trial_state[trial].last_train_time)
+            with drawing_from(self._seed, self._place[trial.trial_id], at):
+                super()._checkpoint_or_exploit(trial, *args, **kwargs)
+
+    return SeededPopulationBasedTraining
+
+
 @functools.cache
 def _out_of_memory_ends_the_run() -> type:
     """Ray's default failure policy, except for out-of-memory failures. Made on first use: its

@@ -689,7 +689,7 @@ class SweepConfig(BaseModel):
         None,
         ge=0,
         description="Seeds the search's draws: the same seed samples the same trial configs in "
-        "the same order; null: fresh draws every sweep.",
+        "the same order (pbt: and the same exploit/explore draws); null: fresh draws every sweep.",
     )
     metric: str | None = Field(None, description="Metric to optimise; null: the task's metric.")
     mode: Literal["min", "max"] | None = Field(None, description="null: the task's mode.")

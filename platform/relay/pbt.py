@@ -44,9 +44,8 @@ from typing import Any
 import ray
 import ray.train
 from ray import tune
-from ray.tune.schedulers import PopulationBasedTraining
 
-from relay import checkpoint, history, registry, trainer
+from relay import checkpoint, cluster, history, registry, trainer
 from relay.config import SweepConfig, trial_config
 
 # PBT's clock, reported only on the epochs PBT may act after (`acts_at`): never a trial's last
@@ -96,11 +95,12 @@ def mutations(cfg: SweepConfig) -> dict[str, Any]:
     return {"params": space}
 
 
-def scheduler(cfg: SweepConfig) -> PopulationBasedTraining:
+def scheduler(cfg: SweepConfig):
     # Tune advises reuse_actors with PBT; relay must not: a stopped trial's actor still holds
     # its Train run, so each start needs a fresh actor.
     warnings.filterwarnings("ignore", "Consider boosting PBT performance", UserWarning)
-    return PopulationBasedTraining(
+    return cluster.population_based_training(
+        seed=cfg.seed,  # explore and the choice of donor, reproducible (null: fresh draws)
         time_attr=TIME_ATTR,
         perturbation_interval=cfg.pbt.interval,
         hyperparam_mutations=mutations(cfg),
