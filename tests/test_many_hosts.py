@@ -445,6 +445,9 @@ def test_partition_of_the_other_host_mid_run(two_hosts):
       `failure.start_failures` + 1 (3) failed starts the run fails, its error naming both
       fields, the workers it could not place and what the cluster had free.
 
+    - Or no connection is reset at all (CI, 2026-12-05): the run stalled for the cut and went
+      on once the link was back, every epoch trained once, on both hosts, no worker failed.
+
     Either way the job ends: it never runs past PARTITION_BOUND_S.
     """
     cluster, name = two_hosts, "hosts-partition"
@@ -505,10 +508,16 @@ def test_partition_of_the_other_host_mid_run(two_hosts):
     print(*{line for line in controller.splitlines() if "unavailable" in line}, sep="\n")
 
     assert status not in ("PENDING", "RUNNING"), f"still {status} at +{ended:.0f} s"
-    # Found by the controller after the link came back, never during the cut.
-    assert failures and failures[0] > 30, failures
-    assert "A worker health check failed" in controller
     placement = registry.get_run(cluster.storage, run_dir.name).get("placement") or []
+    if not failures:  # the stalled connections carried on: the run never noticed the cut
+        assert status == "SUCCEEDED" and restarted_at is None, (status, seen)
+        assert [(h["epoch"], h["workers"]) for h in raw] == [(e, 2) for e in range(1, 6)], raw
+        assert sorted(r["node_ip"] for r in placement) == sorted(h.ip for h in cluster.hosts)
+        assert len(cluster.ray_json("nodes", "--filter=state=ALIVE")) == 2
+        return
+    # Found by the controller after the link came back, never during the cut.
+    assert failures[0] > 30, failures
+    assert "A worker health check failed" in controller
     if status == "SUCCEEDED":  # the run recovered, on both hosts, from its last checkpoint
         after = [h for h in raw if h["time"] - cut_wall > failures[0]]
         assert 3 <= after[0]["epoch"] <= 5 and after[-1]["epoch"] == 5, after
