@@ -133,6 +133,7 @@ def strategies(f: dict[str, Any]) -> str:
 
 def asha_vs_random(f: dict[str, Any]) -> str:
     return (
+        f"{f['trials']} trials of at most {f['max_epochs']} epochs: "
         f"`wall_ratio` **{ratio(f['wall_ratio'])}** (ASHA {seconds(f['asha']['wall_s_median'])} "
         f"vs {seconds(f['no_stopping']['wall_s_median'])}, medians of "
         f"{f['repeats']} alternated repeats), epochs trained "
@@ -364,6 +365,10 @@ TABLE = {
         checkpoint_upload,
     ),
     "asha_vs_random": ("ASHA vs no stopping over the same random trials", asha_vs_random),
+    "asha_vs_random_9x9": (
+        "the same, on a sweep of 9 trials of up to 9 epochs (ASHA's rungs 1, 3, 9)",
+        asha_vs_random,
+    ),
     "startup": (
         "per-run start-up: a Tune trial and a run vs a bare TorchTrainer; switches vs Ray's",
         startup,

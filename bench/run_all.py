@@ -37,6 +37,9 @@ BENCHES: dict[str, list[str]] = {
     "memory_wall": ["bench/memory_wall.py"],
     "checkpoint_upload": ["bench/checkpoint_upload.py"],
     "asha_vs_random": ["bench/asha_vs_random.py"],
+    # The same comparison on a larger sweep: what early stopping saves grows with the trials per
+    # slot and the epochs per trial (rungs at 1, 3 and 9 epochs with reduction factor 3).
+    "asha_vs_random_9x9": ["bench/asha_vs_random.py", "--samples", "9", "--epochs", "9"],
     "startup": ["bench/startup.py"],
     "search_algorithms": ["bench/search_algorithms.py"],
     "overlap": ["bench/overlap.py"],
