@@ -131,12 +131,16 @@ def strategies(f: dict[str, Any]) -> str:
     )
 
 
+def _wall(arm: dict[str, Any]) -> str:
+    return f"{seconds(arm['wall_s_median'])} ({arm['wall_s_min']:.0f}–{arm['wall_s_max']:.0f})"
+
+
 def asha_vs_random(f: dict[str, Any]) -> str:
     return (
         f"{f['trials']} trials of at most {f['max_epochs']} epochs: "
-        f"`wall_ratio` **{ratio(f['wall_ratio'])}** (ASHA {seconds(f['asha']['wall_s_median'])} "
-        f"vs {seconds(f['no_stopping']['wall_s_median'])}, medians of "
-        f"{f['repeats']} alternated repeats), epochs trained "
+        f"`wall_ratio` **{ratio(f['wall_ratio'])}** (ASHA {_wall(f['asha'])} vs "
+        f"{_wall(f['no_stopping'])}, medians (min–max) of {f['repeats']} alternated repeats), "
+        "epochs trained "
         f"{f['asha']['epochs_trained_median']:g} vs {f['no_stopping']['epochs_trained_median']:g}, "
         f"`best_metric_gap` {f['best_metric_gap']:.3f}"
     )
