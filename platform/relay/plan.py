@@ -57,7 +57,6 @@ import math
 import os
 import re
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,16 +270,15 @@ def saved_bytes(
 
 
 def measure_activations(
-    build_model: Callable[[], nn.Module],
+    plain: nn.Module,
+    checkpointed: nn.Module,
     task: Task,
     columns: dict[str, Any],
     dtype: torch.dtype | None,
 ) -> dict[bool, Activations]:
-    """Activations without (False) and with (True) activation checkpointing, each a line
-    through two measured batch sizes."""
-    plain = build_model().train()
-    checkpointed = build_model().train()
-    apply_activation_checkpointing(checkpointed)
+    """Activations without (False) and with (True) activation checkpointing (`plain` and
+    `checkpointed`: the model in train mode, without and with it applied), each a line through
+    two measured batch sizes. The models are only run forward: they come out as they went in."""
     rows = len(next(iter(columns.values())))
     points: dict[bool, list[tuple[int, int]]] = {False: [], True: []}
     for n in sorted({min(b, rows) for b in PROBE_BATCHES}):
@@ -370,12 +368,16 @@ def plan(
 
     def build_model() -> nn.Module:
         torch.manual_seed(cfg.seed)
-        return task.build_model()
+        return task.build_model().train()
 
+    # Built once for every precision (a forward changes no weights): building a large model
+    # costs more than measuring it.
+    plain, checkpointed = build_model(), build_model()
+    apply_activation_checkpointing(checkpointed)
     par = cfg.parallel
     precisions, activations = {}, {}
     for name, dtype in PRECISION_DTYPES.items():
-        activations[name] = measure_activations(build_model, task, columns, dtype)
+        activations[name] = measure_activations(plain, checkpointed, task, columns, dtype)
         act = activations[name][par.activation_checkpointing].at(cfg.batch_size)
         compute_bytes = dtype.itemsize if dtype is not None else fp32_bytes
         precisions[name] = {
