@@ -14,12 +14,16 @@ relay's is compared against. Every worker (process) reserves one CPU
 the batch per worker is the same at 1 and 2 (weak scaling per step: each worker does the same
 work per step, 2 workers need half as many steps per epoch).
 
-Order: relay 1w, torchrun 1p, torchrun 2p, relay 2w. Each side's 1- and 2-worker runs sit
-symmetrically around the middle, so a load that drifts steadily during the bench weighs on both
-speedups alike; relay's first run starts Ray, so every torchrun run shares the machine with the
-same idle Ray cluster as relay's runs do; and relay's 1-worker run precedes its 2-worker run in
-the same storage dir, so the 2-worker efficiency report finds it as its reference
-(`relay_reference_speedup`, information only: it is relay's own division, not evidence).
+Order: `--repeats` rounds (default 3) of relay 1w, torchrun 1p, torchrun 2p, relay 2w, every
+other round reversed (relay 2w, torchrun 2p, torchrun 1p, relay 1w). Each side's 1- and 2-worker
+runs sit symmetrically around the middle of a round and each position is taken by both sides
+over the rounds, so a load that drifts during the bench weighs on both speedups alike. Figures
+are medians over the rounds, each with its spread (min-max); a speedup is the median 2-worker
+samples/s over the median 1-worker samples/s, its spread the per-round quotients. relay's first
+run starts Ray, so every torchrun run shares the machine with the same idle Ray cluster as
+relay's runs do; all relay runs share one storage dir, so a 2-worker efficiency report finds an
+earlier 1-worker run as its reference (`relay_reference_speedup`, information only: it is
+relay's own division, not evidence).
 
 Workload: `regression` (synthetic, seeded) with `{"features": 1024, "hidden": [2048, 2048]}`:
 an MLP 1024 -> 2048 -> 2048 -> 1 of 6.3 M parameters, batch 512 per worker. Chosen over
@@ -46,9 +50,13 @@ Figures (relay's from its efficiency report unless marked "steady"):
                    speedup_2w (samples over seconds of the training passes of epochs 2..N,
                    from `Epochs.steady()` on rank 0, the code relay's report uses);
                    torchrun_speedup_2w_steady: from the steady medians, as speedup_2w_steady.
+  speedup_vs_torchrun
+                   speedup_2w / torchrun_speedup_2w: what relay's side costs in scaling, the
+                   issue's figure (goal >= 0.97).
   relay_vs_torchrun_1w, relay_vs_torchrun_2w
-                   relay's samples/s over torchrun's at 1 and at 2 workers (the speedup_2w
-                   definition).
+                   relay's median samples/s over torchrun's at 1 and at 2 workers (the
+                   speedup_2w definition): where a speedup gap comes from, the 1- or the
+                   2-worker side.
   fraction_of_measured_matmul_peak
                    the 2-worker run's achieved model FLOP/s (forward + backward FLOPs per
                    sample counted by torch, times samples/s) over the sum of the workers'
@@ -142,7 +150,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the 2-host point instead: 1 worker on each of 2 namespace hosts vs 2 on one (root)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=3, help="--hosts: runs per side, alternated (default: 3)"
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds of runs, alternated (--hosts: runs per side) (default: 3)",
     )
     args = parser.parse_args(argv)
     if args.epochs < 2:
@@ -264,89 +275,119 @@ def main(argv: list[str] | None = None) -> None:
             "1 CPU and 1 thread per worker",
             flush=True,
         )
-        relay_runs: dict[int, dict[str, Any]] = {}
-        torchrun_runs: dict[int, dict[str, Any]] = {}
-
-        def relay_run(workers: int) -> None:
-            run = train(run_config(args, storage, workers), args.show_progress)
-            relay_runs[workers] = run
-            print(describe(run), flush=True)
-
-        def torchrun_run(workers: int) -> None:
-            run = train_torchrun(run_config(args, storage, workers), storage)
-            torchrun_runs[workers] = run
-            print(describe_torchrun(run), flush=True)
-
-        # See "Order" above: relay 1w first (it starts Ray), relay 2w last.
-        order = [(relay_run, 1), (torchrun_run, 1), (torchrun_run, 2), (relay_run, 2)]
+        runs: list[dict[str, Any]] = []
+        order = scaling_order(args.repeats)
         try:
-            for run_once, workers in order:
-                run_once(workers)
+            for repeat, side, workers in order:
+                cfg_dict = run_config(args, storage, workers)
+                if side == "relay":
+                    run = train(cfg_dict, args.show_progress)
+                    print(describe(run), flush=True)
+                else:
+                    run = train_torchrun(cfg_dict, storage)
+                    print(describe_torchrun(run), flush=True)
+                runs.append({**run, "repeat": repeat})
         finally:
             if "ray" in sys.modules:
                 sys.modules["ray"].shutdown()
     wall_s = time.perf_counter() - started
 
-    one, two = relay_runs[1], relay_runs[2]
-    t_one, t_two = torchrun_runs[1], torchrun_runs[2]
-    speedup = two["samples_per_s"] / one["samples_per_s"]
-    speedup_steady = two["steady_samples_per_s"] / one["steady_samples_per_s"]
-    torchrun_speedup = t_two["report_samples_per_s"] / t_one["report_samples_per_s"]
-    torchrun_speedup_steady = t_two["steady_samples_per_s"] / t_one["steady_samples_per_s"]
+    def picked(side: str, workers: int) -> list[dict[str, Any]]:
+        return [r for r in runs if r["side"] == side and r["workers"] == workers]
+
+    def speedups(side: str, key: str) -> dict[str, Any]:
+        """Median 2w / median 1w, and the per-round quotients for its spread."""
+        one, two = picked(side, 1), picked(side, 2)
+        rounds = [b[key] / a[key] for a, b in zip(one, two, strict=True)]
+        return {
+            "median": median_of(two, key) / median_of(one, key),
+            "min": min(rounds),
+            "max": max(rounds),
+            "rounds": rounds,
+        }
+
+    relay_speedup = speedups("relay", "samples_per_s")
+    relay_steady = speedups("relay", "steady_samples_per_s")
+    torchrun_speedup = speedups("torchrun", "report_samples_per_s")
+    torchrun_steady = speedups("torchrun", "steady_samples_per_s")
+    speedup, torchrun_speedup_2w = relay_speedup["median"], torchrun_speedup["median"]
     relay_vs_torchrun = {
-        w: relay_runs[w]["samples_per_s"] / torchrun_runs[w]["report_samples_per_s"] for w in (1, 2)
+        w: median_of(picked("relay", w), "samples_per_s")
+        / median_of(picked("torchrun", w), "report_samples_per_s")
+        for w in (1, 2)
     }
+    one, two = median_run(picked("relay", 1)), median_run(picked("relay", 2))
     reference = two["reference"] or {}
     relay_reference_speedup = reference.get("speedup")
     print()
+    print(f"medians (min-max) of {args.repeats} alternated rounds")
+    for side, key in (("relay", "samples_per_s"), ("torchrun", "report_samples_per_s")):
+        for workers in (1, 2):
+            values = [r[key] for r in picked(side, workers)]
+            print(
+                f"  {side} {workers} worker(s): {statistics.median(values):,.0f} samples/s "
+                f"({min(values):,.0f}-{max(values):,.0f})"
+            )
     print(
-        f"speedup 2 workers / 1 worker, relay: {speedup:.3f} (report throughput), "
-        f"{speedup_steady:.3f} (steady, median epochs 2..N); target >= 1.85"
+        f"speedup 2 workers / 1 worker, relay: {spread_text(relay_speedup)} (report throughput), "
+        f"{spread_text(relay_steady)} (steady, median epochs 2..N); target >= 1.85"
     )
     print(
         f"speedup 2 processes / 1 process, plain torchrun of the same epochs: "
-        f"{torchrun_speedup:.3f} (same figure as relay's report), {torchrun_speedup_steady:.3f} "
-        "(steady)"
+        f"{spread_text(torchrun_speedup)} (same figure as relay's report), "
+        f"{spread_text(torchrun_steady)} (steady)"
     )
     print(
-        f"relay / torchrun samples/s: {relay_vs_torchrun[1]:.3f} at 1 worker, "
-        f"{relay_vs_torchrun[2]:.3f} at 2 workers"
+        f"relay's speedup / torchrun's: {speedup / torchrun_speedup_2w:.3f}; relay / torchrun "
+        f"samples/s: {relay_vs_torchrun[1]:.3f} at 1 worker, {relay_vs_torchrun[2]:.3f} at 2"
     )
     if relay_reference_speedup is not None:
         print(f"(relay's own report: {relay_reference_speedup:.3f}x over {reference['run_id']})")
     print(
-        f"fraction of measured matmul peak: {two['peak_fraction']:.1%} at 2 workers "
-        f"(target >= 40%), {one['peak_fraction']:.1%} at 1 worker; "
+        f"fraction of measured matmul peak (median runs): {two['peak_fraction']:.1%} at 2 "
+        f"workers (target >= 40%), {one['peak_fraction']:.1%} at 1 worker; "
         f"comm {two['comm_fraction']:.0%} of compute+comm at 2 workers"
     )
-    for side, runs in (("relay", relay_runs), ("torchrun", torchrun_runs)):
-        for workers, run in runs.items():
-            values = " ".join(f"{v:,.0f}" for v in run["epoch_samples_per_s"])
-            print(f"  per-epoch samples/s, {side} {workers} worker(s): {values}")
+    for run in runs:
+        values = " ".join(f"{v:,.0f}" for v in run["epoch_samples_per_s"])
+        print(
+            f"  per-epoch samples/s, round {run['repeat']}, {run['side']} {run['workers']} "
+            f"worker(s): {values}"
+        )
     print(f"wall time {wall_s:.1f} s")
 
-    busy = warn_if_busy([*relay_runs.values(), *torchrun_runs.values()])
+    busy = warn_if_busy(runs)
 
     summary = {
         "busy_runs": busy,
+        "repeats": args.repeats,
         "speedup_2w": speedup,
-        "speedup_2w_steady": speedup_steady,
-        "torchrun_speedup_2w": torchrun_speedup,
-        "torchrun_speedup_2w_steady": torchrun_speedup_steady,
+        "speedup_2w_min": relay_speedup["min"],
+        "speedup_2w_max": relay_speedup["max"],
+        "speedup_2w_steady": relay_steady["median"],
+        "torchrun_speedup_2w": torchrun_speedup_2w,
+        "torchrun_speedup_2w_min": torchrun_speedup["min"],
+        "torchrun_speedup_2w_max": torchrun_speedup["max"],
+        "torchrun_speedup_2w_steady": torchrun_steady["median"],
+        "speedup_vs_torchrun": speedup / torchrun_speedup_2w,
+        "speedups_per_round": {
+            "relay": relay_speedup["rounds"],
+            "torchrun": torchrun_speedup["rounds"],
+        },
         "relay_vs_torchrun_1w": relay_vs_torchrun[1],
         "relay_vs_torchrun_2w": relay_vs_torchrun[2],
         "relay_reference_speedup": relay_reference_speedup,
         "scaling_efficiency": speedup / 2,
-        "torchrun_scaling_efficiency": torchrun_speedup / 2,
+        "torchrun_scaling_efficiency": torchrun_speedup_2w / 2,
         # The same figures under the name that says what they are (see efficiency.py).
         "fraction_of_measured_matmul_peak": two["peak_fraction"],
         "fraction_of_measured_matmul_peak_1w": one["peak_fraction"],
         "comm_fraction": two["comm_fraction"],
         "step_2w": two["step"],
         "step_1w": one["step"],
-        "runs": [one, two],
-        "torchrun_runs": [t_one, t_two],
-        "order": [f"{fn.__name__.removesuffix('_run')} {w}w" for fn, w in order],
+        "runs": [r for r in runs if r["side"] == "relay"],
+        "torchrun_runs": [r for r in runs if r["side"] == "torchrun"],
+        "order": [f"{side} {workers}w" for _, side, workers in order],
         "task": cfg.task,
         "size": cfg.size,
         "model": cfg.model,
@@ -356,6 +397,30 @@ def main(argv: list[str] | None = None) -> None:
         "wall_s": wall_s,
     }
     print(json.dumps(summary))
+
+
+def scaling_order(repeats: int) -> list[tuple[int, str, int]]:
+    """(round, side, workers): relay 1w first (it starts Ray); every other round reversed."""
+    base = [("relay", 1), ("torchrun", 1), ("torchrun", 2), ("relay", 2)]
+    return [
+        (r, side, workers)
+        for r in range(repeats)
+        for side, workers in (base[::-1] if r % 2 else base)
+    ]
+
+
+def median_of(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median throughput (the lower of the middle two for an even count)."""
+    ordered = sorted(runs, key=lambda r: r["samples_per_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def spread_text(s: dict[str, Any]) -> str:
+    return f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})"
 
 
 # --- the 2-host point ---------------------------------------------------------------------------
