@@ -95,15 +95,6 @@ def train_overhead(f: dict[str, Any]) -> str:
 
 
 def scaling(f: dict[str, Any]) -> str:
-    if "repeats" not in f:  # rows from before the bench alternated rounds: one run per side
-        return (
-            f"`speedup_2w` relay **{ratio(f['speedup_2w'])}**, torchrun "
-            f"**{ratio(f['torchrun_speedup_2w'])}** (same model and config, same run); "
-            f"`fraction_of_measured_matmul_peak` {ratio(f['fraction_of_measured_matmul_peak'])} "
-            f"at 2 workers ({ratio(f['fraction_of_measured_matmul_peak_1w'])} at 1); gradient "
-            f"comm {percent(f['comm_fraction'])} of compute + comm"
-        )
-
     def speedup(key: str) -> str:
         return f"**{ratio(f[key])}** ({ratio(f[key + '_min'])}–{ratio(f[key + '_max'])})"
 
