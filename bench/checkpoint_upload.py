@@ -84,7 +84,7 @@ def measure_run(args: argparse.Namespace, storage: Path, side: str) -> dict[str,
         "stall_s": statistics.median(stalls),
         "stalls_s": [round(s, 3) for s in stalls],
         "wall_s": round(wall_s, 1),
-        "foreign_cpu_cores": others,
+        "foreign_cpu_cores": others.cores,
     }
 
 

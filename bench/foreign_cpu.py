@@ -18,15 +18,24 @@ class ForeignCPU:
     """CPU used by processes outside this benchmark's process tree (this process and its
     descendants: Ray's daemons and workers) while a run trains, in cores (CPU-seconds per
     second). Sampled from /proc every `interval` s; processes that live less than that are
-    missed. `cores` is None where /proc is not available."""
+    missed. `cores` is None where /proc is not available.
 
-    def __init__(self, interval: float = 1.0) -> None:
+    With `training` (substrings of a command line, e.g. b"RayTrainWorker"), the bench's own
+    tree is split too: the processes whose command line holds one of them train, the rest
+    (Ray's daemons and actors, the driver, a launcher) support them. `between(t0, t1)` gives
+    each share over the sampling intervals inside a window of wall-clock time, such as a run's
+    epochs 2..N: what the support processes take from the cores while the workers train."""
+
+    def __init__(self, interval: float = 1.0, training: tuple[bytes, ...] = ()) -> None:
         self._interval = interval
+        self._training = training
         self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="foreign-cpu", daemon=True)
         self._ticks = 0
         self._started = 0.0
+        # (interval start, interval end, {"foreign": ticks, "support": ..., "training": ...})
+        self._intervals: list[tuple[float, float, dict[str, int]]] = []
         self.cores: float | None = None
 
     @staticmethod
@@ -57,19 +66,49 @@ class ForeignCPU:
             todo.extend(children.get(pid, []))
         return ours
 
+    def _trains(self, pid: int) -> bool:
+        # Read each time: a Ray worker names itself after the actor it becomes.
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read()
+        except OSError:
+            return False
+        return any(marker in command for marker in self._training)
+
     def _poll(self) -> None:
-        before = self._snapshot()
+        before, then = self._snapshot(), time.time()
         while True:
             stopping = self._stop.wait(self._interval)
-            now = self._snapshot()
+            now, at = self._snapshot(), time.time()
             ours = self._ours(now)
+            used = {"foreign": 0, "support": 0, "training": 0}
             for pid, (ppid, ticks) in now.items():
-                if pid in ours or pid == 2 or ppid == 2:  # ours, or kernel threads
+                if pid == 2 or ppid == 2:  # kernel threads
                     continue
-                self._ticks += ticks - before.get(pid, (ppid, 0))[1]
-            before = now
+                if pid not in ours:
+                    share = "foreign"
+                elif self._training:
+                    share = "training" if self._trains(pid) else "support"
+                else:
+                    continue
+                used[share] += ticks - before.get(pid, (ppid, 0))[1]
+            self._ticks += used["foreign"]
+            self._intervals.append((then, at, used))
+            before, then = now, at
             if stopping:  # the last, partial interval is counted too
                 return
+
+    def between(self, t0: float, t1: float) -> dict[str, float] | None:
+        """Cores used by each share ("foreign", "support", "training") over the sampling
+        intervals that lie inside [t0, t1] (time.time()); None if none does."""
+        inside = [(a, b, used) for a, b, used in self._intervals if a >= t0 and b <= t1]
+        seconds = sum(b - a for a, b, _ in inside)
+        if not inside or seconds <= 0:
+            return None
+        return {
+            share: sum(used[share] for *_, used in inside) / self._tick / seconds
+            for share in ("foreign", "support", "training")
+        }
 
     def __enter__(self) -> ForeignCPU:
         if os.path.isdir("/proc"):
@@ -89,19 +128,20 @@ def busy_text(cores: float | None) -> str:
     return "n/a" if cores is None else f"{cores:.2f} cores"
 
 
-def fit_watched(cfg_dict: dict[str, Any], show_progress: bool):
-    """`relay.trainer.fit` of a config dict, watched: (result, wall seconds, others' cores)."""
+def fit_watched(cfg_dict: dict[str, Any], show_progress: bool, training: tuple[bytes, ...] = ()):
+    """`relay.trainer.fit` of a config dict, watched: (result, wall seconds, the watcher: its
+    `cores` are others', `between` splits the bench's own with `training`)."""
     import relay.config
     import relay.trainer
 
     cfg = relay.config.from_dict(cfg_dict)
     called = time.perf_counter()
-    with ForeignCPU() as others:
+    with ForeignCPU(training=training) as others:
         result = relay.trainer.fit(cfg, register=False, out=sys.stderr if show_progress else None)
     wall_s = time.perf_counter() - called
     if result.efficiency is None:
         raise RuntimeError(f"run {result.run_id} returned no efficiency report")
-    return result, wall_s, others.cores
+    return result, wall_s, others
 
 
 def warn_if_busy(runs: list[dict[str, Any]]) -> int:

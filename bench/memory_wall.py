@@ -115,7 +115,7 @@ def measure_run(args: argparse.Namespace, storage: Path, strategy: str, workers:
         "activations_over_plan": max(activations) / expected["activation_bytes"],
         "memory_limit": result.memory,
         "wall_s": round(wall_s, 1),
-        "foreign_cpu_cores": others,
+        "foreign_cpu_cores": others.cores,
     }
 
 

@@ -14,7 +14,7 @@ relay's is compared against. Every worker (process) reserves one CPU
 the batch per worker is the same at 1 and 2 (weak scaling per step: each worker does the same
 work per step, 2 workers need half as many steps per epoch).
 
-Order: `--repeats` rounds (default 3) of relay 1w, torchrun 1p, torchrun 2p, relay 2w, every
+Order: `--repeats` rounds (default 5) of relay 1w, torchrun 1p, torchrun 2p, relay 2w, every
 other round reversed (relay 2w, torchrun 2p, torchrun 1p, relay 1w). Each side's 1- and 2-worker
 runs sit symmetrically around the middle of a round and each position is taken by both sides
 over the rounds, so a load that drifts during the bench weighs on both speedups alike. Figures
@@ -69,14 +69,31 @@ Figures (relay's from its efficiency report unless marked "steady"):
                    beyond what backward hides) and other (optimizer, data, timers: step time
                    minus both, 0 when the probe timings exceed it); comm_fraction = comm /
                    (compute + comm). Measured by relay after the last epoch, on one batch.
-What limits speedup_2w on this 2-core machine (measured 2026-11-30, quiet): not the cores
-themselves (two plain one-thread processes side by side each keep their full matmul rate and step
-rate) but whatever else needs a core. At 1 worker that runs on the idle second core; at 2 it comes
-out of compute: gloo's all-reduce of 25 MB per step and its threads, and Ray's own processes
-(raylet, GCS, dashboard agent, Train controller, Ray Data coordinators: ~0.1-0.2 cores in all,
-sampled from /proc), which leave each worker's training thread less than a core. The torchrun
-side pays the all-reduce but not Ray's processes; the gap between speedup_2w and
-torchrun_speedup_2w is what relay's side costs on top.
+  training_cpu_cores, support_cpu_cores
+                   CPU used while the workers train (from the end of epoch 1 to the end of the
+                   last, sampled from /proc every second), per side and worker count, medians
+                   over the rounds: by the training processes (Ray Train workers, torchrun's
+                   ranks) and by the rest of the bench's own process tree (Ray's daemons and
+                   actors, the driver, torchrun's launcher: the support). Both sides run beside
+                   the same idle Ray cluster, so the support difference is what a relay run
+                   adds.
+What limits speedup_2w on this 2-core machine: not the cores themselves (two plain one-thread
+processes side by side each keep their full matmul rate and step rate) but whatever else needs a
+core. At 1 worker that runs on the idle second core; at 2 it comes out of compute: gloo's
+all-reduce of 25 MB per step and its threads (both sides), and on relay's side a Train run's own
+processes. Measured 2026-12-05 (`support_cpu_cores`, and per thread from /proc/<pid>/task/*/sched
+and schedstat during a 2-worker run): relay's support takes ~0.11 cores where torchrun's takes
+~0.07, and relay's training threads wait for a core ~0.10 s per second where torchrun's wait
+~0.07 s, preempted ~650 times a second instead of ~400. The extra comes from Ray's Python
+processes of a run — the TrainController, SynchronizationActor, PlacementGroupCleaner and the
+cluster's _AutoscalingCoordinatorActor — and the main thread of each Train worker: Ray's core
+worker wakes every Python worker's main thread every 10 ms to check for signals (strace shows a
+10 ms timerfd; "CoreWorker.CheckSignal", not configurable), ~6 ms of CPU per second per process,
+each wake-up preempting a training thread. None of these can be switched off without losing what
+fault tolerance needs (health checks, report barriers, placement-group clean-up). Measured and
+dropped: the controller's poll at 2 s instead of relay's 0.1 s (no difference beyond the noise,
+3 alternated pairs) and nice 19 for those processes and the workers' non-training threads (no
+change in the training threads' run-queue wait).
 
 Figures are noisy when something else is using the CPUs: each run records the CPU that processes
 outside the bench's own process tree used while it ran (`foreign_cpu_cores`, sampled from /proc
@@ -113,6 +130,10 @@ from typing import Any
 
 from foreign_cpu import ForeignCPU, busy_text, fit_watched, warn_if_busy
 from torchrun import run_torchrun
+
+# Command-line marks of the processes that train, on either side; the rest of the bench's own
+# process tree (Ray's daemons and actors, the driver, torchrun's launcher) supports them.
+TRAINING = (b"RayTrainWorker", b"torchrun_ddp.py")
 
 DEFAULT_TASK = "regression"
 DEFAULT_MODEL = {"features": 1024, "hidden": [2048, 2048], "samples": 15_360}
@@ -152,12 +173,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--repeats",
         type=int,
-        default=3,
-        help="rounds of runs, alternated (--hosts: runs per side) (default: 3)",
+        default=None,
+        help="rounds of runs, alternated (default: 5); --hosts: runs per side (default: 3)",
     )
     args = parser.parse_args(argv)
     if args.epochs < 2:
         parser.error("--epochs must be >= 2 (epoch 1 is warm-up)")
+    if args.repeats is None:
+        args.repeats = 3 if args.hosts else 5
     if args.model is None:
         args.model = dict(DEFAULT_MODEL) if args.task == DEFAULT_TASK else {}
     if args.samples is not None:
@@ -186,7 +209,7 @@ def run_config(args: argparse.Namespace, storage: Path, workers: int) -> dict[st
 
 
 def train(cfg_dict: dict[str, Any], show_progress: bool) -> dict[str, Any]:
-    result, wall_s, others_cores = fit_watched(cfg_dict, show_progress)
+    result, wall_s, others = fit_watched(cfg_dict, show_progress, TRAINING)
     report = result.efficiency
     flops = report["flops"]
     per_epoch = [m["samples_per_s"] for m in result.history]
@@ -195,7 +218,11 @@ def train(cfg_dict: dict[str, Any], show_progress: bool) -> dict[str, Any]:
         "run_id": result.run_id,
         "workers": report["workers"],
         "wall_s": wall_s,
-        "foreign_cpu_cores": others_cores,
+        "foreign_cpu_cores": others.cores,
+        # From the end of epoch 1 to the end of the last, as the torchrun side's window.
+        "cpu_cores_epochs_2_n": others.between(
+            result.history[0]["time"], result.history[-1]["time"]
+        ),
         "startup_s": result.startup_s,
         "samples_per_s": report["throughput"]["samples_per_s"],
         "steady_samples_per_s": statistics.median(per_epoch[1:]),
@@ -220,21 +247,34 @@ def train_torchrun(cfg_dict: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     import relay.config
 
     cfg = relay.config.from_dict(cfg_dict)
-    with ForeignCPU() as others:  # the torchrun processes are ours: children of this one
+    # The torchrun processes are ours: children of this one.
+    with ForeignCPU(training=TRAINING) as others:
         run = run_torchrun(cfg, out_dir, f"torchrun-{cfg.scaling.max_workers}p")
     return {
         "side": "torchrun",
         **run,
         "epoch_samples_per_s": run["samples_per_s"],
         "foreign_cpu_cores": others.cores,
+        "cpu_cores_epochs_2_n": others.between(run["epoch_ends"][0], run["epoch_ends"][-1]),
     }
+
+
+def cpu_text(run: dict[str, Any]) -> str:
+    cores = run["cpu_cores_epochs_2_n"]
+    if cores is None:
+        return "CPU in epochs 2..N n/a"
+    return (
+        f"CPU in epochs 2..N: training {cores['training']:.2f} cores, support "
+        f"{cores['support']:.3f}, others {cores['foreign']:.3f}"
+    )
 
 
 def describe_torchrun(run: dict[str, Any]) -> str:
     return (
         f"torchrun, {run['workers']} process(es): {run['report_samples_per_s']:,.0f} samples/s "
         f"(steady {run['steady_samples_per_s']:,.0f}), {run['steps_per_epoch']} steps/epoch, "
-        f"wall {run['wall_s']:.1f} s, others' CPU {busy_text(run['foreign_cpu_cores'])}"
+        f"wall {run['wall_s']:.1f} s, others' CPU {busy_text(run['foreign_cpu_cores'])}; "
+        f"{cpu_text(run)}"
     )
 
 
@@ -247,7 +287,7 @@ def describe(run: dict[str, Any]) -> str:
         f"{s['step_s'] * 1e3:.0f} ms = compute {s['compute_s'] * 1e3:.0f} + comm "
         f"{s['comm_s'] * 1e3:.0f} + other {s['other_s'] * 1e3:.0f}, "
         f"{run['optimizer_steps']} steps, wall {run['wall_s']:.1f} s, "
-        f"others' CPU {busy_text(run['foreign_cpu_cores'])}"
+        f"others' CPU {busy_text(run['foreign_cpu_cores'])}; {cpu_text(run)}"
     )
 
 
@@ -316,6 +356,19 @@ def main(argv: list[str] | None = None) -> None:
         / median_of(picked("torchrun", w), "report_samples_per_s")
         for w in (1, 2)
     }
+
+    def cpu_median(side: str, workers: int, share: str) -> float | None:
+        values = [
+            r["cpu_cores_epochs_2_n"][share]
+            for r in picked(side, workers)
+            if r["cpu_cores_epochs_2_n"] is not None
+        ]
+        return statistics.median(values) if values else None
+
+    cpu = {
+        share: {side: {w: cpu_median(side, w, share) for w in (1, 2)} for side in SIDES}
+        for share in ("training", "support")
+    }
     one, two = median_run(picked("relay", 1)), median_run(picked("relay", 2))
     reference = two["reference"] or {}
     relay_reference_speedup = reference.get("speedup")
@@ -340,6 +393,16 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"relay's speedup / torchrun's: {speedup / torchrun_speedup_2w:.3f}; relay / torchrun "
         f"samples/s: {relay_vs_torchrun[1]:.3f} at 1 worker, {relay_vs_torchrun[2]:.3f} at 2"
+    )
+    print(
+        "CPU while the workers train (epochs 2..N, medians), training processes / the rest of "
+        "the bench's process tree: "
+        + "; ".join(
+            f"{side} {w}w {cores_text(cpu['training'][side][w], 2)} / "
+            f"{cores_text(cpu['support'][side][w], 3)}"
+            for side in SIDES
+            for w in (1, 2)
+        )
     )
     if relay_reference_speedup is not None:
         print(f"(relay's own report: {relay_reference_speedup:.3f}x over {reference['run_id']})")
@@ -377,6 +440,9 @@ def main(argv: list[str] | None = None) -> None:
         "relay_vs_torchrun_1w": relay_vs_torchrun[1],
         "relay_vs_torchrun_2w": relay_vs_torchrun[2],
         "relay_reference_speedup": relay_reference_speedup,
+        # cores, medians over the rounds, keyed side -> workers
+        "training_cpu_cores": cpu["training"],
+        "support_cpu_cores": cpu["support"],
         "scaling_efficiency": speedup / 2,
         "torchrun_scaling_efficiency": torchrun_speedup_2w / 2,
         # The same figures under the name that says what they are (see efficiency.py).
@@ -397,6 +463,13 @@ def main(argv: list[str] | None = None) -> None:
         "wall_s": wall_s,
     }
     print(json.dumps(summary))
+
+
+SIDES = ("relay", "torchrun")
+
+
+def cores_text(cores: float | None, digits: int) -> str:
+    return "n/a" if cores is None else f"{cores:.{digits}f}"
 
 
 def scaling_order(repeats: int) -> list[tuple[int, str, int]]:

@@ -178,7 +178,7 @@ def run_config(args: argparse.Namespace, storage: Path, strategy: str, precision
 
 
 def train(cfg_dict: dict[str, Any], block_size: int, show_progress: bool) -> dict[str, Any]:
-    result, wall_s, others_cores = fit_watched(cfg_dict, show_progress)
+    result, wall_s, others = fit_watched(cfg_dict, show_progress)
     report = result.efficiency
     ranks = report["memory"]["per_rank"]
     state = [r["state_bytes"] for r in ranks]
@@ -207,7 +207,7 @@ def train(cfg_dict: dict[str, Any], block_size: int, show_progress: bool) -> dic
         "val_loss": result.history[-1]["val_loss"],
         "replicas_in_sync": result.replicas_in_sync,
         "wall_s": wall_s,
-        "foreign_cpu_cores": others_cores,
+        "foreign_cpu_cores": others.cores,
     }
 
 
