@@ -37,6 +37,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from rounds import alternated_sides
+
 from relay import cluster, history, registry, sweep
 from relay.config import sweep_from_dict
 
@@ -65,11 +67,6 @@ def parse_args() -> argparse.Namespace:
     if args.repeats < 2:
         parser.error("--repeats: at least 2, so each arm runs both first and second")
     return args
-
-
-def arm_order(repeats: int) -> list[str]:
-    """full, asha, asha, full, full, asha, ...: each repeat reverses the one before."""
-    return [arm for r in range(repeats) for arm in (ARMS if r % 2 == 0 else ARMS[::-1])]
 
 
 def sweep_spec(args, storage: Path, asha: bool) -> dict:
@@ -156,7 +153,7 @@ def describe(config: dict) -> str:
 
 def main() -> int:
     args = parse_args()
-    order = arm_order(args.repeats)
+    order = alternated_sides(ARMS, args.repeats)  # full, asha, asha, full, ...
     print(f"{len(order)} sweeps, in this order: {', '.join(order)}", flush=True)
     cluster.connect()
     with tempfile.TemporaryDirectory(prefix="relay-bench-asha-") as tmp:

@@ -40,6 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from rounds import alternated_sides
 
 from relay import cluster, ingest, trainer
 from relay.config import RunConfig, from_dict
@@ -250,23 +251,22 @@ def main() -> int:
         cluster.connect(num_cpus=ingest.cpus_to_start(cfg))
         rates: dict[str, list[float]] = {side: [] for side in SIDES}
         rows: dict[str, list[int]] = {side: [] for side in SIDES}
-        for repeat in range(args.repeats):
-            for side in SIDES if repeat % 2 == 0 else SIDES[::-1]:
-                if side == "ray_data":
-                    epochs = through_relay(cfg, ingest.prepare(cfg), args.epochs)
-                elif side == "in_memory":
-                    epochs = through_relay(cfg, in_memory_data(cfg), args.epochs)
-                else:
-                    epochs = through_dataloader(cfg, args, args.epochs)
-                steady = epochs[1:] or epochs
-                rates[side] += [e["rows"] / e["seconds"] for e in steady]
-                rows[side] += [e["rows"] for e in steady]
-                print(
-                    f"  {side:<11} "
-                    + "  ".join(f"{e['rows'] / e['seconds']:9,.0f}" for e in steady)
-                    + " rows/s",
-                    flush=True,
-                )
+        for side in alternated_sides(SIDES, args.repeats):
+            if side == "ray_data":
+                epochs = through_relay(cfg, ingest.prepare(cfg), args.epochs)
+            elif side == "in_memory":
+                epochs = through_relay(cfg, in_memory_data(cfg), args.epochs)
+            else:
+                epochs = through_dataloader(cfg, args, args.epochs)
+            steady = epochs[1:] or epochs
+            rates[side] += [e["rows"] / e["seconds"] for e in steady]
+            rows[side] += [e["rows"] for e in steady]
+            print(
+                f"  {side:<11} "
+                + "  ".join(f"{e['rows'] / e['seconds']:9,.0f}" for e in steady)
+                + " rows/s",
+                flush=True,
+            )
         windows = ingest.prepare(cfg).train_rows
         run = run_config(corpus, args, epochs=3).model_dump()
         # A real run: validation is a fifth of the lines, by a hash of each line.

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import asha_vs_random as base  # bench/ is the script's directory, so on sys.path
+from rounds import alternated_sides
 
 from relay import cluster, sweep
 from relay.config import sweep_from_dict
@@ -45,10 +46,6 @@ def base_argv(argv: list[str]) -> tuple[list[str], argparse.Namespace]:
     parser.add_argument("--overlaps", default="0,1", help="sweep.overlap values compared")
     own, rest = parser.parse_known_args(argv[1:])
     return [argv[0], *rest], own
-
-
-def order(overlaps: list[int], repeats: int) -> list[int]:
-    return [o for r in range(repeats) for o in (overlaps if r % 2 == 0 else overlaps[::-1])]
 
 
 def run_sweep(args, storage: Path, overlap: int) -> dict:
@@ -76,7 +73,7 @@ def run_sweep(args, storage: Path, overlap: int) -> dict:
 
 def main() -> int:
     args = parse_args()
-    sequence = order(args.overlaps, args.repeats)
+    sequence = alternated_sides(args.overlaps, args.repeats)
     print(f"{len(sequence)} ASHA sweeps, overlap in this order: {sequence}", flush=True)
     cluster.connect()
     with tempfile.TemporaryDirectory(prefix="relay-bench-overlap-") as tmp:

@@ -106,7 +106,10 @@ def scaling(f: dict[str, Any]) -> str:
         f"{ratio(f['relay_vs_torchrun_2w'])} at 2; `fraction_of_measured_matmul_peak` "
         f"{ratio(f['fraction_of_measured_matmul_peak'])} at 2 workers "
         f"({ratio(f['fraction_of_measured_matmul_peak_1w'])} at 1); gradient comm "
-        f"{percent(f['comm_fraction'])} of compute + comm"
+        f"{percent(f['comm_fraction'])} of compute + comm; while 2 workers train, the rest of "
+        f"the process tree (Ray's daemons and actors, the driver) uses "
+        f"{f['support_cpu_cores']['relay']['2']:.2f} cores beside relay's workers, "
+        f"{f['support_cpu_cores']['torchrun']['2']:.2f} beside torchrun's"
     )
 
 

@@ -129,6 +129,7 @@ from pathlib import Path
 from typing import Any
 
 from foreign_cpu import ForeignCPU, busy_text, fit_watched, warn_if_busy
+from rounds import alternated
 from torchrun import run_torchrun
 
 # Command-line marks of the processes that train, on either side; the rest of the bench's own
@@ -475,11 +476,7 @@ def cores_text(cores: float | None, digits: int) -> str:
 def scaling_order(repeats: int) -> list[tuple[int, str, int]]:
     """(round, side, workers): relay 1w first (it starts Ray); every other round reversed."""
     base = [("relay", 1), ("torchrun", 1), ("torchrun", 2), ("relay", 2)]
-    return [
-        (r, side, workers)
-        for r in range(repeats)
-        for side, workers in (base[::-1] if r % 2 else base)
-    ]
+    return [(r, side, workers) for r, (side, workers) in alternated(base, repeats)]
 
 
 def median_of(runs: list[dict[str, Any]], key: str) -> float:
@@ -541,23 +538,20 @@ def hosts_main(args: argparse.Namespace) -> None:
         storage = Path(tmp)
         with NetnsCluster(2, storage=storage, host_resources={"worker_slot": 1}) as cluster:
             print(f"{cluster.describe()}\nup in {cluster.up_in_s:.1f} s", flush=True)
-            for repeat in range(args.repeats):
-                # Alternated, the first side swapping each repeat: a drift weighs on both.
-                sides = list(PLACEMENTS) if repeat % 2 == 0 else list(reversed(PLACEMENTS))
-                for side in sides:
-                    cfg_dict = run_config(args, storage, 2)
-                    cfg_dict["name"] = f"hosts-{side.replace('_', '-')}-{repeat}"
-                    cfg_dict["scaling"]["resources_per_worker"] |= PLACEMENTS[side]
-                    run = {"side": side, "repeat": repeat, **submit_run(cluster, cfg_dict, storage)}
-                    runs.append(run)
-                    print(
-                        f"{side}: {run['samples_per_s']:,.0f} samples/s (steady "
-                        f"{run['steady_samples_per_s']:,.0f}), ranks on {run['node_ips']}, "
-                        f"host 1's link {run['host1_link_bytes'] / 1e6:,.0f} MB, step "
-                        f"{run['step']['step_s'] * 1e3:.0f} ms (comm "
-                        f"{run['step']['comm_s'] * 1e3:.0f}), wall {run['wall_s']:.1f} s",
-                        flush=True,
-                    )
+            for repeat, side in alternated(list(PLACEMENTS), args.repeats):
+                cfg_dict = run_config(args, storage, 2)
+                cfg_dict["name"] = f"hosts-{side.replace('_', '-')}-{repeat}"
+                cfg_dict["scaling"]["resources_per_worker"] |= PLACEMENTS[side]
+                run = {"side": side, "repeat": repeat, **submit_run(cluster, cfg_dict, storage)}
+                runs.append(run)
+                print(
+                    f"{side}: {run['samples_per_s']:,.0f} samples/s (steady "
+                    f"{run['steady_samples_per_s']:,.0f}), ranks on {run['node_ips']}, "
+                    f"host 1's link {run['host1_link_bytes'] / 1e6:,.0f} MB, step "
+                    f"{run['step']['step_s'] * 1e3:.0f} ms (comm "
+                    f"{run['step']['comm_s'] * 1e3:.0f}), wall {run['wall_s']:.1f} s",
+                    flush=True,
+                )
 
     def median(side: str, key: str) -> float:
         return statistics.median(r[key] for r in runs if r["side"] == side)

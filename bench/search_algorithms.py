@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from asha_vs_random import spread  # bench/ is the script's directory, so on sys.path
+from rounds import alternated
 
 from relay import cluster, history, registry, sweep
 from relay.config import sweep_from_dict
@@ -64,9 +65,7 @@ def parse_args() -> argparse.Namespace:
 
 def arm_order(arms: list[str], seeds: list[int]) -> list[tuple[str, int]]:
     """Each seed runs every arm; every other seed reverses the order."""
-    return [
-        (arm, seed) for i, seed in enumerate(seeds) for arm in (arms if i % 2 == 0 else arms[::-1])
-    ]
+    return [(arm, seeds[r]) for r, arm in alternated(arms, len(seeds))]
 
 
 def sweep_spec(args, storage: Path, arm: str, seed: int) -> dict:

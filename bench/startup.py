@@ -53,6 +53,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from rounds import alternated_sides
+
 from relay.cluster import RUN_SWITCHES
 
 HERE = Path(__file__).resolve().parent
@@ -270,11 +272,6 @@ def run_child(side: str, args: argparse.Namespace, home: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def order(sides: list[str], repeats: int) -> list[str]:
-    """A B B A A B ...: each repeat reverses the one before."""
-    return [s for r in range(repeats) for s in (sides if r % 2 == 0 else sides[::-1])]
-
-
 def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -335,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     for side in args.sides:
         if side not in ("relay", "ray_defaults") and side.removeprefix("no_") not in RAY_DEFAULTS:
             parser.error(f"--sides: unknown side {side!r}")
-    sequence = order(args.sides, args.repeats)
+    sequence = alternated_sides(args.sides, args.repeats)
     print(
         f"{len(sequence)} rounds: {', '.join(sequence)}; runs {', '.join(args.runs)}, "
         f"{args.workers} workers",

@@ -65,6 +65,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rounds import alternated_sides
 from torchrun import run_torchrun
 
 import relay
@@ -279,8 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.order == "sequential":
             order = [torchrun_once] * args.repeats + [relay_once] * args.repeats
         else:  # T R R T T R ...: a load that drifts during the run hits both sides alike
-            pair = [torchrun_once, relay_once]
-            order = [f for i in range(args.repeats) for f in (pair if i % 2 == 0 else pair[::-1])]
+            order = alternated_sides([torchrun_once, relay_once], args.repeats)
         try:
             for step in order:
                 step()
