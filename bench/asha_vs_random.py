@@ -1,4 +1,5 @@
 """.venv/bin/python bench/asha_vs_random.py [--samples 6] [--epochs 6] [--repeats 2] [--task charlm]
+   .venv/bin/python bench/asha_vs_random.py --seeds 0,1,2 --repeats 1    (several searches)
 
 ASHA vs no early stopping over the same random search, on one embedded Ray cluster.
 
@@ -20,6 +21,12 @@ trial's start-up 13-35 s): charlm (4-block GPT, width 64 or 128) on a 40 kB slic
 stdlib corpus, 1 worker per trial (two trials side by side), 6 trials of at most 6 epochs. Smoke
 run: `--samples 3 --epochs 2 --repeats 2 --size debug` (~5 minutes: start-ups dominate).
 
+One seed draws one set of configs, and training is deterministic, so repeats of a seed differ
+in wall time only: `best_metric_gap` of one seed says how ASHA fared on that one draw. With
+`--seeds`, each seed is a search of its own (both arms, `--repeats` sweeps each, the arms
+alternating over all the sweeps of the bench); `wall_ratio` and `best_metric_gap` are then the
+medians of the per-seed figures, each with its spread, and `per_seed` lists them.
+
 Prints, per arm, the median and spread (min–max over repeats) of wall time, epochs trained and
 best metric, and ends with one JSON line: `wall_ratio` (median ASHA wall / median no-stopping
 wall) and `best_metric_gap` (|median best ASHA - median best no-stopping| / |median best
@@ -37,7 +44,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from rounds import alternated_sides
+from rounds import alternated
 
 from relay import cluster, history, registry, sweep
 from relay.config import sweep_from_dict
@@ -62,14 +69,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--grace", type=int, default=1)
     parser.add_argument("--reduction-factor", type=float, default=3.0)
     parser.add_argument("--lr-range", default="1e-5,3e-2", help="log-uniform low,high")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the search's draws")
+    parser.add_argument(
+        "--seeds", default="0", help="comma-separated seeds of the search's draws: one search each"
+    )
     args = parser.parse_args()
-    if args.repeats < 2:
-        parser.error("--repeats: at least 2, so each arm runs both first and second")
+    args.seeds = [int(seed) for seed in args.seeds.split(",")]
+    if args.repeats < 1 or args.repeats * len(args.seeds) < 2:
+        parser.error(
+            "--repeats: at least 2 sweeps per arm in all, so each arm runs first and second"
+        )
     return args
 
 
-def sweep_spec(args, storage: Path, asha: bool) -> dict:
+def sweep_spec(args, storage: Path, asha: bool, seed: int) -> dict:
     low, high = (float(x) for x in args.lr_range.split(","))
     return {
         "name": "asha" if asha else "full",
@@ -83,7 +95,7 @@ def sweep_spec(args, storage: Path, asha: bool) -> dict:
         },
         "search": {"optim.lr": {"loguniform": [low, high]}, **SEARCH[args.task]},
         "num_samples": args.samples,
-        "seed": args.seed,
+        "seed": seed,
         "workers_per_trial": args.workers,
         "asha": {
             "enabled": asha,
@@ -109,20 +121,21 @@ def trial_index(trial: dict) -> int:
     return int(trial["trial_id"].rsplit("_", 1)[-1])  # Tune's ids end in the draw's number
 
 
-def run_sweep(args, storage: Path, arm: str) -> dict:
-    cfg = sweep_from_dict(sweep_spec(args, storage, asha=arm == "asha"))
+def run_sweep(args, storage: Path, arm: str, seed: int) -> dict:
+    cfg = sweep_from_dict(sweep_spec(args, storage, asha=arm == "asha", seed=seed))
     started = time.perf_counter()
     result = sweep.run(cfg, out=None)
     wall = time.perf_counter() - started
     startup = startup_seconds(storage, result)
     trials = sorted(result.trials, key=trial_index)
     print(
-        f"  {arm:<5} {wall:6.1f} s  {sum(t['epochs_run'] for t in trials):3d} epochs  "
+        f"  seed {seed} {arm:<5} {wall:6.1f} s  {sum(t['epochs_run'] for t in trials):3d} epochs  "
         f"best {cfg.metric} {result.best['best_score']:.4f}",
         flush=True,
     )
     return {
         "arm": arm,
+        "seed": seed,
         "wall_s": wall,
         "best": result.best["best_score"],
         "best_config": result.best["config"],
@@ -151,59 +164,106 @@ def describe(config: dict) -> str:
     )
 
 
-def main() -> int:
-    args = parse_args()
-    order = alternated_sides(ARMS, args.repeats)  # full, asha, asha, full, ...
-    print(f"{len(order)} sweeps, in this order: {', '.join(order)}", flush=True)
-    cluster.connect()
-    with tempfile.TemporaryDirectory(prefix="relay-bench-asha-") as tmp:
-        runs = [run_sweep(args, Path(tmp) / f"{i}-{arm}", arm) for i, arm in enumerate(order)]
+KEYS = ("wall_s", "epochs_trained", "best", "startup_s")
 
-    configs = runs[0]["configs"]
-    if any(run["configs"] != configs for run in runs):
-        print("the sweeps drew different trial configs; the comparison would be unfair")
-        for run in runs:
-            print(f"  {run['arm']}: {run['configs']}")
-        return 1
-    keys = ("wall_s", "epochs_trained", "best", "startup_s")
-    arms = {
+
+def arm_spreads(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Per arm, the median and spread of each of KEYS over its sweeps in `runs`."""
+    return {
         arm: {
             name: value
-            for key in keys
+            for key in KEYS
             for name, value in spread(key, [run[key] for run in runs if run["arm"] == arm]).items()
         }
         for arm in ARMS
     }
-    full, asha = arms["full"], arms["asha"]
 
+
+def print_search(args, seed: int, configs: list[dict], arms: dict) -> None:
     print(
-        f"\n{args.samples} trials of {args.task}/{args.size}, at most {args.epochs} epochs, "
-        f"{args.workers} worker(s) per trial, {args.repeats} sweeps per arm; median (min-max)"
+        f"\nseed {seed}: {args.samples} trials of {args.task}/{args.size}, at most "
+        f"{args.epochs} epochs, {args.workers} worker(s) per trial, {args.repeats} sweep(s) "
+        "per arm; median (min-max)"
     )
     for i, config in enumerate(configs):
         print(f"  trial {i}: {describe(config)}")
     print(f"{'':18}{'ASHA':>26}{'no stopping':>26}")
-    for key, fmt in zip(keys, ("{:.1f}", "{:.0f}", "{:.4f}", "{:.1f}"), strict=True):
+    for key, fmt in zip(KEYS, ("{:.1f}", "{:.0f}", "{:.4f}", "{:.1f}"), strict=True):
         cells = [
             f"{fmt.format(s[key + '_median'])} "
             f"({fmt.format(s[key + '_min'])}-{fmt.format(s[key + '_max'])})"
-            for s in (asha, full)
+            for s in (arms["asha"], arms["full"])
         ]
         print(f"{key:<18}{cells[0]:>26}{cells[1]:>26}")
-    best_asha, best_full = asha["best_median"], full["best_median"]
+
+
+def main() -> int:
+    args = parse_args()
+    rounds = [seed for seed in args.seeds for _ in range(args.repeats)]
+    # full, asha, asha, full, ... over all the sweeps, whichever seed each round draws with
+    order = [(rounds[r], arm) for r, arm in alternated(ARMS, len(rounds))]
+    print(
+        f"{len(order)} sweeps, in this order: "
+        + ", ".join(f"{arm} (seed {seed})" for seed, arm in order),
+        flush=True,
+    )
+    cluster.connect()
+    with tempfile.TemporaryDirectory(prefix="relay-bench-asha-") as tmp:
+        runs = [
+            run_sweep(args, Path(tmp) / f"{i}-{arm}", arm, seed)
+            for i, (seed, arm) in enumerate(order)
+        ]
+
+    per_seed = []
+    for seed in args.seeds:
+        searches = [run for run in runs if run["seed"] == seed]
+        configs = searches[0]["configs"]
+        if any(run["configs"] != configs for run in searches):
+            print(f"seed {seed}: the sweeps drew different trial configs; the comparison is unfair")
+            for run in searches:
+                print(f"  {run['arm']}: {run['configs']}")
+            return 1
+        arms = arm_spreads(searches)
+        print_search(args, seed, configs, arms)
+        full, asha = arms["full"], arms["asha"]
+        per_seed.append(
+            {
+                "seed": seed,
+                "wall_ratio": asha["wall_s_median"] / full["wall_s_median"],
+                "best_metric_gap": abs(asha["best_median"] - full["best_median"])
+                / abs(full["best_median"]),
+                "asha": asha,
+                "no_stopping": full,
+                "trial_configs": configs,
+            }
+        )
+    wall_ratios = [search["wall_ratio"] for search in per_seed]
+    gaps = [search["best_metric_gap"] for search in per_seed]
+    if len(per_seed) > 1:
+        print(
+            f"\nover {len(per_seed)} seeds, median (min-max): wall_ratio "
+            f"{statistics.median(wall_ratios):.3f} "
+            f"({min(wall_ratios):.3f}-{max(wall_ratios):.3f}), "
+            f"best_metric_gap {statistics.median(gaps):.4f} ({min(gaps):.4f}-{max(gaps):.4f})"
+        )
+    arms = arm_spreads(runs)
     figures = {
-        "wall_ratio": asha["wall_s_median"] / full["wall_s_median"],
-        "best_metric_gap": abs(best_asha - best_full) / abs(best_full),
+        # one seed: median ASHA wall / median no-stopping wall, and the gap of the medians;
+        # several: the medians of those per-seed figures
+        "wall_ratio": statistics.median(wall_ratios),
+        **spread("wall_ratio", wall_ratios),
+        "best_metric_gap": statistics.median(gaps),
+        **spread("best_metric_gap", gaps),
         "metric": runs[0]["metric"],
-        "asha": asha,
-        "no_stopping": full,
-        "order": order,
+        "asha": arms["asha"],  # over every sweep of the arm, all seeds
+        "no_stopping": arms["full"],
+        "order": [f"{arm} (seed {seed})" for seed, arm in order],
         "sweeps": [{k: v for k, v in run.items() if k != "configs"} for run in runs],
-        "trial_configs": configs,
+        "per_seed": per_seed,
         "trials": args.samples,
         "max_epochs": args.epochs,
         "repeats": args.repeats,
-        "seed": args.seed,
+        "seeds": args.seeds,
         "task": args.task,
         "size": args.size,
         "model": json.loads(args.model),

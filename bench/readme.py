@@ -145,6 +145,18 @@ def _wall(arm: dict[str, Any]) -> str:
 
 
 def asha_vs_random(f: dict[str, Any]) -> str:
+    seeds = f.get("seeds", [f.get("seed")])  # rows from before `--seeds` name one seed
+    if len(seeds) > 1:  # one search per seed: the medians of the per-seed figures
+        return (
+            f"{len(seeds)} random searches (seeds {', '.join(map(str, seeds))}) of "
+            f"{f['trials']} trials of at most {f['max_epochs']} epochs, each run by both arms: "
+            f"`wall_ratio` **{ratio(f['wall_ratio'])}** ({ratio(f['wall_ratio_min'])}–"
+            f"{ratio(f['wall_ratio_max'])}), `best_metric_gap` **{f['best_metric_gap']:.3f}** "
+            f"({f['best_metric_gap_min']:.3f}–{f['best_metric_gap_max']:.3f}) (medians over the "
+            f"seeds, min–max); wall per sweep ASHA {_wall(f['asha'])} vs "
+            f"{_wall(f['no_stopping'])}, epochs trained {f['asha']['epochs_trained_median']:g} vs "
+            f"{f['no_stopping']['epochs_trained_median']:g} (medians over all sweeps)"
+        )
     return (
         f"{f['trials']} trials of at most {f['max_epochs']} epochs: "
         f"`wall_ratio` **{ratio(f['wall_ratio'])}** (ASHA {_wall(f['asha'])} vs "
