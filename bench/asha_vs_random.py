@@ -199,9 +199,9 @@ def print_search(args, seed: int, configs: list[dict], arms: dict) -> None:
 
 def main() -> int:
     args = parse_args()
-    rounds = [seed for seed in args.seeds for _ in range(args.repeats)]
+    seed_of_round = [seed for seed in args.seeds for _ in range(args.repeats)]
     # full, asha, asha, full, ... over all the sweeps, whichever seed each round draws with
-    order = [(rounds[r], arm) for r, arm in alternated(ARMS, len(rounds))]
+    order = [(seed_of_round[r], arm) for r, arm in alternated(ARMS, len(seed_of_round))]
     print(
         f"{len(order)} sweeps, in this order: "
         + ", ".join(f"{arm} (seed {seed})" for seed, arm in order),

@@ -145,7 +145,7 @@ def _wall(arm: dict[str, Any]) -> str:
 
 
 def asha_vs_random(f: dict[str, Any]) -> str:
-    seeds = f.get("seeds", [f.get("seed")])  # rows from before `--seeds` name one seed
+    seeds = f["seeds"]
     if len(seeds) > 1:  # one search per seed: the medians of the per-seed figures
         return (
             f"{len(seeds)} random searches (seeds {', '.join(map(str, seeds))}) of "
