@@ -27,6 +27,13 @@ in wall time only: `best_metric_gap` of one seed says how ASHA fared on that one
 alternating over all the sweeps of the bench); `wall_ratio` and `best_metric_gap` are then the
 medians of the per-seed figures, each with its spread, and `per_seed` lists them.
 
+Whether any early stopping can keep the best config is a property of the task: `rank_of_best`
+(per seed) names the trial that ends best without stopping and its rank among all trials after
+each epoch, from the no-stopping arm's curves (`curves`: each trial's metric per epoch, in every
+sweep), and `first_epoch_kept` is the first epoch after which it ranks in the top
+samples/reduction_factor, what a rung there keeps. A rung placed earlier stops the best config
+whatever the scheduler; the grace period bounds the epochs every trial costs.
+
 Prints, per arm, the median and spread (min–max over repeats) of wall time, epochs trained and
 best metric, and ends with one JSON line: `wall_ratio` (median ASHA wall / median no-stopping
 wall) and `best_metric_gap` (|median best ASHA - median best no-stopping| / |median best
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -117,6 +125,27 @@ def startup_seconds(storage: Path, result) -> list[float]:
     return out
 
 
+def metric_curve(storage: Path, trial: dict, metric: str) -> list[float]:
+    """The trial's `metric` after each epoch it trained, from its run's history."""
+    record = registry.get_run(storage, trial["run_id"])
+    return [epoch[metric] for epoch in history.read(record["run_dir"])]
+
+
+def rank_of_best(curves: list[list[float]], mode: str) -> dict:
+    """From complete curves (the no-stopping arm): which trial ends best, and its rank among
+    all trials after each epoch (1 = best). Early stopping by rungs keeps the eventual best only
+    if a rung's ranking puts it in the rung's top 1/reduction_factor, so this says, from the
+    task itself rather than from any scheduler, the first epoch a rung could be placed at."""
+    sign = 1 if mode == "min" else -1
+    finals = [sign * min(sign * v for v in curve) for curve in curves]  # each trial's best
+    best = min(range(len(curves)), key=lambda i: sign * finals[i])
+    ranks = [
+        1 + sum(sign * curve[e] < sign * curves[best][e] for curve in curves)
+        for e in range(min(len(curve) for curve in curves))
+    ]
+    return {"best_trial": best, "rank_by_epoch": ranks}
+
+
 def trial_index(trial: dict) -> int:
     return int(trial["trial_id"].rsplit("_", 1)[-1])  # Tune's ids end in the draw's number
 
@@ -128,6 +157,7 @@ def run_sweep(args, storage: Path, arm: str, seed: int) -> dict:
     wall = time.perf_counter() - started
     startup = startup_seconds(storage, result)
     trials = sorted(result.trials, key=trial_index)
+    curves = [metric_curve(storage, trial, cfg.metric) for trial in trials]
     print(
         f"  seed {seed} {arm:<5} {wall:6.1f} s  {sum(t['epochs_run'] for t in trials):3d} epochs  "
         f"best {cfg.metric} {result.best['best_score']:.4f}",
@@ -144,6 +174,7 @@ def run_sweep(args, storage: Path, arm: str, seed: int) -> dict:
         "trials_stopped_early": sum(t["status"] == "stopped" for t in trials),
         "startup_s": statistics.median(startup),  # the median trial's
         "configs": [t["config"] for t in trials],
+        "curves": curves,  # per trial, the metric after each epoch it trained
         "metric": cfg.metric,
         "mode": cfg.mode,
     }
@@ -226,6 +257,18 @@ def main() -> int:
         arms = arm_spreads(searches)
         print_search(args, seed, configs, arms)
         full, asha = arms["full"], arms["asha"]
+        complete = next(run for run in searches if run["arm"] == "full")
+        ranking = rank_of_best(complete["curves"], complete["mode"])
+        # what a rung keeps: the top 1/reduction_factor of the trials ranked there
+        kept = max(1, math.floor(args.samples / args.reduction_factor))
+        ranking["first_epoch_kept"] = next(
+            (e + 1 for e, rank in enumerate(ranking["rank_by_epoch"]) if rank <= kept), None
+        )
+        print(
+            f"the best trial without stopping is trial {ranking['best_trial']}; its rank among "
+            f"{args.samples} after each epoch: {ranking['rank_by_epoch']} (a rung keeps the top "
+            f"{kept}: first kept after epoch {ranking['first_epoch_kept']})"
+        )
         per_seed.append(
             {
                 "seed": seed,
@@ -234,6 +277,7 @@ def main() -> int:
                 / abs(full["best_median"]),
                 "asha": asha,
                 "no_stopping": full,
+                "rank_of_best": ranking,
                 "trial_configs": configs,
             }
         )
