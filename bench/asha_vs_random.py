@@ -1,5 +1,6 @@
 """.venv/bin/python bench/asha_vs_random.py [--samples 6] [--epochs 6] [--repeats 2] [--task charlm]
    .venv/bin/python bench/asha_vs_random.py --seeds 0,1,2 --repeats 1    (several searches)
+   .venv/bin/python bench/asha_vs_random.py --strategy promote    (ASHA by promotions)
 
 ASHA vs no early stopping over the same random search, on one embedded Ray cluster.
 
@@ -76,6 +77,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=1, help="DDP workers per trial")
     parser.add_argument("--grace", type=int, default=1)
     parser.add_argument("--reduction-factor", type=float, default=3.0)
+    parser.add_argument(
+        "--strategy",
+        default="stop",
+        choices=["stop", "promote"],
+        help="asha.strategy of the ASHA arm: Ray's stopping rule, or promotions (pausing)",
+    )
     parser.add_argument("--lr-range", default="1e-5,3e-2", help="log-uniform low,high")
     parser.add_argument(
         "--seeds", default="0", help="comma-separated seeds of the search's draws: one search each"
@@ -109,6 +116,7 @@ def sweep_spec(args, storage: Path, asha: bool, seed: int) -> dict:
             "enabled": asha,
             "grace_period": args.grace,
             "reduction_factor": args.reduction_factor,
+            "strategy": args.strategy,
         },
     }
 
@@ -312,6 +320,11 @@ def main() -> int:
         "size": args.size,
         "model": json.loads(args.model),
         "workers_per_trial": args.workers,
+        "asha_settings": {
+            "grace_period": args.grace,
+            "reduction_factor": args.reduction_factor,
+            "strategy": args.strategy,
+        },
     }
     print(json.dumps(figures))
     return 0

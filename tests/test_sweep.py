@@ -68,12 +68,16 @@ def relay_json(*argv: str):
 def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
     # overlap: one trial more than fits waits for workers while the others train (2 CPUs per
     # 1-worker trial: 2 fit on the test cluster's 4, the third waits).
-    # Three trials: two good learning rates, then a hopeless one that waits for workers.
+    # Four trials: the first three start at once (two fit, one waits for workers) and race for
+    # workers, so any of them may reach a rung first — and Ray's rule lets the first arrival go
+    # on, whatever its score (a hopeless 1e-5 first ran all epochs, 1 run in 3). The fourth,
+    # hopeless too, starts only when one of them ends, so it meets all three recorded at
+    # epoch 1 — two of them good — and stops there.
     cfg = sweep_config(
         storage,
         overlap=1,
         max_concurrent_trials=None,
-        search={"optim.lr": {"grid": [3e-3, 1e-2, 1e-5]}},
+        search={"optim.lr": {"grid": [3e-3, 1e-2, 1e-5, 1e-6]}},
     )
     cfg.train.scaling.resources_per_worker = {"CPU": 2.0}
     cfg.train.scaling.threads_per_worker = 1  # as with the 1 CPU a worker has elsewhere
@@ -86,9 +90,9 @@ def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
     groups = ray.util.placement_group_table().values()
     assert [g for g in groups if g["state"] != "REMOVED"] == []
 
-    assert len(result.trials) == 3
+    assert len(result.trials) == 4
     epochs = {t["config"]["optim.lr"]: t["epochs_run"] for t in result.trials}
-    assert any(e < cfg.asha.max_t for e in epochs.values()), epochs  # ASHA really stopped some
+    assert epochs[1e-6] == 1, epochs  # ASHA really stopped one, at its first rung
     assert max(epochs.values()) == cfg.asha.max_t
     stopped = [t for t in result.trials if t["status"] == "stopped"]
     assert stopped and all(t["epochs_run"] < cfg.asha.max_t for t in stopped)
@@ -165,6 +169,50 @@ def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
     assert set(re.findall(r'id="stopped-([^"]+)"', page)) == {t["trial_id"] for t in stopped}
 
 
+def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(ray_cluster, storage):
+    """asha.strategy promote, one trial at a time, rungs at epochs 1 and 2 of 4 (rf 2). The
+    first trial (a good lr) has nothing to rank against at rung 1, so it pauses, where Ray's
+    stopping rule would run it on; the hopeless second ranks below it, so the first is promoted
+    and resumed from its rung-1 checkpoint; the last (the best lr) passes both rungs at once
+    and alone trains to max_t; the sweep ends by stopping every trial still paused."""
+    cfg = sweep_config(
+        storage,
+        search={"optim.lr": {"grid": [3e-3, 1e-6, 1e-5, 1e-2]}},
+        max_concurrent_trials=1,
+        asha={"grace_period": 1, "reduction_factor": 2, "strategy": "promote"},
+    )
+    assert sweep.promotion_rungs(cfg) == [1, 2]
+    result = sweep.run(cfg, out=None)
+    import ray
+
+    groups = ray.util.placement_group_table().values()
+    assert [g for g in groups if g["state"] != "REMOVED"] == []
+
+    trials = {t["config"]["optim.lr"]: t for t in result.trials}
+    # Tune's view: the epochs each trial was let train before its last decision
+    assert {lr: t["epochs_run"] for lr, t in trials.items()} == {
+        3e-3: 2,  # paused at rung 1, promoted, paused at rung 2 behind 1e-2, stopped at the end
+        1e-6: 1,
+        1e-5: 1,
+        1e-2: 4,
+    }
+    assert [t["status"] for t in trials.values()].count("completed") == 1
+    assert result.best["config"]["optim.lr"] == 1e-2
+    assert all(t["chosen_by"] == "random" for t in result.trials)  # the search chose
+
+    # The promoted trial's Train run was stopped and resumed: one run, resumed once, its
+    # second stretch starting right after the rung-1 checkpoint (history.jsonl keeps every
+    # attempt; the first stretch may have run ahead of the pause before it was stopped).
+    record = registry.get_run(storage, trials[3e-3]["run_id"])
+    assert record["resumes"] == 1, record
+    attempts = [e["epoch"] for e in history.read_raw(record["run_dir"]) if "train_loss" in e]
+    restart = next(i for i in range(1, len(attempts)) if attempts[i] <= attempts[i - 1])
+    assert attempts[0] == 1 and attempts[restart] == 2, attempts
+    # The trials paused for good never resumed.
+    for lr in (1e-6, 1e-5):
+        assert registry.get_run(storage, trials[lr]["run_id"]).get("resumes") == 0
+
+
 def test_placement_groups_of_dead_actors_are_released(ray_cluster):
     """What a sweep does for trials Tune killed mid-run: their worker groups' CPUs come back."""
     import ray
@@ -201,6 +249,7 @@ def test_sweep_config_errors_name_the_field():
         "search.batch_size": {"search": {"batch_size": {"randint": [0, 4]}}},
         "search.x": {"search": {"x": {"choice": [1], "grid": [2]}}},
         "asha.grace_period": {"asha": {"grace_period": 50}},
+        "asha.strategy": {"asha": {"strategy": "pause"}},
         "train.optim.lr": {"train": {**base["train"], "optim": {"lr": -1}}},
         "num_samples": {"num_samples": 0},
     }

@@ -256,15 +256,25 @@ def _settled(job, others: set[str]) -> bool:
         for pg in _placement_groups()
     ):
         return False
-    return not alive_actor_ids("TrainController", job) - others
+    # Not only ALIVE ones: a controller still being created when its trial was stopped
+    # (PENDING_CREATION) comes alive later and may then reserve a group.
+    return not alive_actor_ids("TrainController", job, not_dead=True) - others
 
 
-def alive_actor_ids(class_name: str, job=None) -> set[str]:
+def alive_actor_ids(class_name: str, job=None, not_dead: bool = False) -> set[str]:
     """The ids of the actors of class `class_name` alive on the connected cluster (`job`'s
-    only, if given). Asked of the GCS (Ray's public state API goes through the dashboard,
-    which may be off or still starting)."""
+    only, if given; with `not_dead`, also those still being created or restarting). Asked of
+    the GCS (Ray's public state API goes through the dashboard, which may be off or still
+    starting)."""
     from ray._private.state import state
 
+    if not_dead:
+        actors = state.actor_table(None, job_id=job)
+        return {
+            id_
+            for id_, actor in actors.items()
+            if actor["ActorClassName"] == class_name and actor["State"] != "DEAD"
+        }
     alive = state.actor_table(None, job_id=job, actor_state_name="ALIVE")
     return {id_ for id_, actor in alive.items() if actor["ActorClassName"] == class_name}
 
@@ -323,7 +333,7 @@ def reclaiming_orphans(interval_s: float = 2.0, settle_s: float = 60.0) -> Itera
     """
     job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
     # Controllers alive before the block are another run's of this process, not the block's.
-    others = alive_actor_ids("TrainController", job)
+    others = alive_actor_ids("TrainController", job, not_dead=True)
     try:
         with background.every(interval_s, release_orphaned_placement_groups, "relay-pg-reclaim"):
             yield

@@ -630,6 +630,15 @@ class AshaConfig(_Section):
     reduction_factor: float = Field(
         2.0, gt=1, description="Keep the best 1/reduction_factor of trials at each rung."
     )
+    strategy: Literal["stop", "promote"] = Field(
+        "stop",
+        description="stop: Ray's ASHAScheduler — a trial reaching a rung goes on if it ranks in "
+        "the top 1/reduction_factor of the results recorded there so far, else stops (the "
+        "first to arrive always goes on). promote: ASHA as published — a trial pauses at each "
+        "rung unless it ranks in the rung's top 1/reduction_factor, and a free slot resumes the "
+        "best paused trial that has become promotable, else starts a new one; each resume "
+        "costs one run start-up (promotion.py).",
+    )
 
 
 SearchAlgorithm = Literal["random", "grid", "tpe", "pbt"]

@@ -144,17 +144,17 @@ class _Mailbox:
 
 class _Forward(ray.train.UserCallback):
     """On the Train controller: each epoch's rank-0 metrics (and checkpoint path) to the
-    driver's mailbox."""
+    driver's mailbox; at the epochs in `hold_at` the run waits there for Tune's decision."""
 
-    def __init__(self, mailbox, interval: int, epochs: int) -> None:
-        self.mailbox, self.interval, self.epochs = mailbox, interval, epochs
+    def __init__(self, mailbox, hold_at: frozenset[int]) -> None:
+        self.mailbox, self.hold_at = mailbox, hold_at
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
         report = dict(metrics[0])
         path = checkpoint.path if checkpoint else None
         if path:
             report["checkpoint_path"] = path  # as TuneReportCallback names it
-        hold = acts_at(report.get("epoch", 0), self.interval, self.epochs)
+        hold = report.get("epoch", 0) in self.hold_at
         ray.get(self.mailbox.put.remote((report, path, hold), hold))
 
 
@@ -226,10 +226,20 @@ def _segment(
 
 
 def trial_driver(
-    params: dict[str, Any], *, base: dict[str, Any], sweep_id: str, interval: int, data=None
+    params: dict[str, Any],
+    *,
+    base: dict[str, Any],
+    sweep_id: str,
+    interval: int | None = None,
+    hold_at: frozenset[int] | None = None,
+    chosen_by: str = "pbt",
+    data=None,
 ) -> None:
-    """One PBT trial start: fit its Train run (from the checkpoint Tune hands over, if any) in
-    a thread, and report each epoch to Tune from this one (Tune's function-trainable thread).
+    """One trial start whose Train run waits for Tune's decision at some epochs: a PBT trial
+    (`interval`: every interval epoch, where PBT may exploit) or a promotion-based ASHA trial
+    (`hold_at`: its rungs, where it may pause; promotion.py). Fits its Train run (from the
+    checkpoint Tune hands over, if any) in a thread, and reports each epoch to Tune from this
+    one (Tune's function-trainable thread), with a Tune checkpoint at each held epoch.
     `data`: the sweep's split, put in the object store once (see sweep._trial_driver)."""
     cfg = trial_config(base, params["params"])
     trial_id = tune.get_context().get_trial_id()
@@ -237,8 +247,12 @@ def trial_driver(
     run_id, init, label = _segment(
         storage, sweep_id, trial_id, tune.get_checkpoint(), params["params"]
     )
+    if interval is not None:
+        hold_at = frozenset(e for e in range(1, cfg.epochs + 1) if acts_at(e, interval, cfg.epochs))
+    hold_at = hold_at or frozenset()
     mailbox = _Mailbox.remote()
-    chosen_by = f"pbt:exploit {label['from_trial']}" if label else "pbt"
+    if label:
+        chosen_by = f"pbt:exploit {label['from_trial']}"
     failure: list[BaseException] = []
 
     def fit() -> None:
@@ -249,7 +263,7 @@ def trial_driver(
                 register=False,
                 run_id=run_id,
                 init_checkpoint=init,
-                callbacks=[_Forward(mailbox, interval, cfg.epochs)],
+                callbacks=[_Forward(mailbox, hold_at)],
                 labels={
                     "sweep": sweep_id,
                     "trial_id": trial_id,
@@ -268,7 +282,7 @@ def trial_driver(
     while (item := ray.get(mailbox.get.remote())) is not None:
         metrics, path, hold = item
         epoch = metrics.get("epoch", 0)
-        if acts_at(epoch, interval, cfg.epochs):
+        if interval is not None and epoch in hold_at:
             metrics[TIME_ATTR] = epoch
         metrics["chosen_by"] = chosen_by
         if hold and path:

@@ -32,7 +32,18 @@ from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search import ConcurrencyLimiter, SearchAlgorithm, Searcher
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from relay import cluster, console, doctor, ingest, pbt, registry, tracking, trainer
+from relay import (
+    cluster,
+    console,
+    doctor,
+    ingest,
+    pbt,
+    promotion,
+    registry,
+    sweep_records,
+    tracking,
+    trainer,
+)
 from relay.config import SearchDimension, SweepConfig, sweep_from_dict, trial_config
 
 SPEC = "sweep.json"
@@ -61,14 +72,33 @@ def param_space(cfg: SweepConfig) -> dict[str, Any]:
     return {"params": {k: _tune_domain(d, enumerate_choices=grid) for k, d in cfg.search.items()}}
 
 
-def _searcher(cfg: SweepConfig) -> SearchAlgorithm | Searcher:
+def promoting(cfg: SweepConfig) -> bool:
+    """Whether the sweep runs promotion-based ASHA (promotion.py)."""
+    return cfg.search_alg != "pbt" and cfg.asha.enabled and cfg.asha.strategy == "promote"
+
+
+def promotion_rungs(cfg: SweepConfig) -> list[float]:
+    """The epochs where promotion-based ASHA decides: Ray's rungs below max_t."""
+    rungs = sweep_records.asha_rungs(cfg.model_dump(mode="json")) or []
+    return [r for r in rungs if r < cfg.asha.max_t]
+
+
+def _searcher(
+    cfg: SweepConfig, gate: promotion.RunningGate | None = None
+) -> SearchAlgorithm | Searcher:
     """What chooses each trial's config (`search_alg`), bounded to the trials the cluster holds
-    at once (Tune ignores TuneConfig.max_concurrent_trials beside a search_alg given here)."""
+    at once (Tune ignores TuneConfig.max_concurrent_trials beside a search_alg given here).
+    With a `gate` (promotion-based ASHA), the gate holds that bound: paused trials are live
+    to the searcher but hold no slot."""
     limit = max_concurrent_trials(cfg)
     if cfg.search_alg == "pbt":
         # PBT compares and copies between live trials: the whole population trains at once
         # (run() checked that the cluster holds it).
         limit = cfg.population
+    if gate is not None:
+        if cfg.search_alg == "tpe":
+            return promotion.GatedLimiter(_optuna_tpe(cfg), gate, max_concurrent=cfg.population)
+        return promotion.GatedVariants(gate, random_state=cfg.seed)
     if cfg.search_alg == "tpe":
         return ConcurrencyLimiter(_optuna_tpe(cfg), max_concurrent=limit)
     # random and grid (param_space made every grid field a grid_search) are Tune's variant
@@ -186,6 +216,15 @@ def _tuner(cfg: SweepConfig, sweep_id: str, storage: Path, out: TextIO | None, r
         driver = tune.with_parameters(
             pbt.trial_driver, base=base, sweep_id=sweep_id, interval=cfg.pbt.interval, data=shared
         )
+    elif promoting(cfg):  # the same driver, its runs waiting at each rung for Tune's decision
+        driver = tune.with_parameters(
+            pbt.trial_driver,
+            base=base,
+            sweep_id=sweep_id,
+            hold_at=frozenset(math.ceil(r) for r in promotion_rungs(cfg)),
+            chosen_by=cfg.search_alg,
+            data=shared,
+        )
     else:
         driver = tune.with_parameters(_trial_driver, base=base, sweep_id=sweep_id, data=shared)
     trainable = tune.with_resources(
@@ -202,9 +241,21 @@ def _tuner(cfg: SweepConfig, sweep_id: str, storage: Path, out: TextIO | None, r
     # The scheduler decides when trials stop (ASHA) or change config (PBT); _searcher(cfg)
     # decides what each new trial starts from. TPE runs beside ASHA: Optuna learns from every
     # trial's last reported metric, stopped early or not.
-    scheduler = None
+    scheduler, gate = None, None
     if cfg.search_alg == "pbt":
         scheduler = pbt.scheduler(cfg)
+    elif promoting(cfg):
+        gate = promotion.RunningGate(max_concurrent_trials(cfg))
+        scheduler = promotion.PromotingASHA(
+            metric=cfg.metric,
+            mode=cfg.mode,
+            time_attr="epoch",
+            max_t=cfg.asha.max_t,
+            rungs=promotion_rungs(cfg),
+            reduction_factor=cfg.asha.reduction_factor,
+            population=cfg.population,
+            gate=gate,
+        )
     elif cfg.asha.enabled:
         scheduler = ASHAScheduler(
             time_attr="epoch",
@@ -220,7 +271,7 @@ def _tuner(cfg: SweepConfig, sweep_id: str, storage: Path, out: TextIO | None, r
             mode=cfg.mode,
             scheduler=scheduler,
             num_samples=cfg.num_samples,
-            search_alg=_searcher(cfg),
+            search_alg=_searcher(cfg, gate),
         ),
         run_config=tune.RunConfig(
             name=sweep_id,
