@@ -45,6 +45,14 @@ BENCHES: dict[str, list[str]] = {
         "bench/asha_vs_random.py",
         *("--samples", "9", "--epochs", "9", "--seeds", "0,1,2", "--repeats", "1"),
     ],
+    # ASHA by promotions (asha.strategy promote) where epochs are long next to a start-up: the
+    # charlm corpus at 160 kB, an epoch 7-15 s against a trial's ~8 s start-up (at 40 kB,
+    # above, no config has left the plateau after one epoch: rank_of_best).
+    "asha_vs_random_promote": [
+        "bench/asha_vs_random.py",
+        *("--samples", "9", "--epochs", "9", "--model", '{"corpus_bytes": 160000}'),
+        *("--strategy", "promote", "--seeds", "0,1,2", "--repeats", "1"),
+    ],
     "startup": ["bench/startup.py"],
     "search_algorithms": ["bench/search_algorithms.py"],
     "overlap": ["bench/overlap.py"],
