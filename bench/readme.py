@@ -144,18 +144,43 @@ def _wall(arm: dict[str, Any]) -> str:
     return f"{seconds(arm['wall_s_median'])} ({arm['wall_s_min']:.0f}–{arm['wall_s_max']:.0f})"
 
 
+def _asha_workload(f: dict[str, Any]) -> str:
+    """What differs from the defaults: the corpus and the ASHA arm's strategy."""
+    settings = f.get("asha_settings", {})
+    corpus = f["model"].get("corpus_bytes")
+    return (f", a {corpus // 1000} kB corpus" if corpus else "") + (
+        ", ASHA by promotions (`asha.strategy: promote`)"
+        if settings.get("strategy") == "promote"
+        else ""
+    )
+
+
+def _asha_rank_of_best(f: dict[str, Any]) -> str:
+    per_seed = f["per_seed"]
+    if not all("rank_of_best" in search for search in per_seed):
+        return ""  # rows from before the bench recorded the curves
+    return (
+        "; without stopping, the best config first ranks in a rung's top 1/reduction_factor "
+        "after epoch "
+        + ", ".join(str(search["rank_of_best"]["first_epoch_kept"]) for search in per_seed)
+        + " (per seed): a rung before that stops it"
+    )
+
+
 def asha_vs_random(f: dict[str, Any]) -> str:
     seeds = f["seeds"]
     if len(seeds) > 1:  # one search per seed: the medians of the per-seed figures
         return (
             f"{len(seeds)} random searches (seeds {', '.join(map(str, seeds))}) of "
-            f"{f['trials']} trials of at most {f['max_epochs']} epochs, each run by both arms: "
+            f"{f['trials']} trials of at most {f['max_epochs']} epochs{_asha_workload(f)}, "
+            "each run by both arms: "
             f"`wall_ratio` **{ratio(f['wall_ratio'])}** ({ratio(f['wall_ratio_min'])}–"
             f"{ratio(f['wall_ratio_max'])}), `best_metric_gap` **{f['best_metric_gap']:.3f}** "
             f"({f['best_metric_gap_min']:.3f}–{f['best_metric_gap_max']:.3f}) (medians over the "
             f"seeds, min–max); wall per sweep ASHA {_wall(f['asha'])} vs "
             f"{_wall(f['no_stopping'])}, epochs trained {f['asha']['epochs_trained_median']:g} vs "
             f"{f['no_stopping']['epochs_trained_median']:g} (medians over all sweeps)"
+            + _asha_rank_of_best(f)
         )
     return (
         f"{f['trials']} trials of at most {f['max_epochs']} epochs: "
@@ -392,6 +417,10 @@ TABLE = {
     "asha_vs_random": ("ASHA vs no stopping over the same random trials", asha_vs_random),
     "asha_vs_random_9x9": (
         "the same, on a sweep of 9 trials of up to 9 epochs (ASHA's rungs 1, 3, 9)",
+        asha_vs_random,
+    ),
+    "asha_vs_random_promote": (
+        "the 9-trial sweep with ASHA by promotions, where epochs are long next to a start-up",
         asha_vs_random,
     ),
     "startup": (

@@ -11,10 +11,12 @@ a free slot resumes the best paused trial that has since become promotable (high
 first), else starts a new trial. A sweep that can start nothing more ends its top rung with its
 best paused trial, so at least one trial trains to `max_t`.
 
-A paused trial is a stopped Train run with a checkpoint of the rung's epoch; resuming it
-starts its driver again, and `trainer.fit` with the trial's stable run id resumes that run from
-its latest checkpoint. Each promotion of a paused trial therefore costs one run start-up: the
-price of never letting a weak early arrival run to the end.
+A trial's Train run reports the rung's epoch with its checkpoint and its controller waits
+there for the decision (pbt.trial_driver's hold; its workers may begin the next epoch). A
+paused trial's run is stopped; resuming it starts its driver again, and `trainer.fit` with the
+trial's stable run id resumes that run from the rung's checkpoint, the latest Train recorded.
+Each promotion of a paused trial therefore costs one run start-up: the price of never letting
+a weak early arrival run to the end.
 
 Tune starts every PENDING trial it has (its trial actors reserve no real resources; each
 trial's TorchTrainer does), so the number of trials training at once is held by the searcher,
