@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -119,9 +120,10 @@ def commit() -> dict[str, object]:
 
 
 def command_text(argv: list[str]) -> str:
+    """The command as a shell line one can paste (a JSON argument quoted)."""
     if argv[0] == "relay":
-        return " ".join(argv)
-    return ".venv/bin/python " + " ".join(argv)
+        return shlex.join(argv)
+    return ".venv/bin/python " + shlex.join(argv)
 
 
 def executable(argv: list[str]) -> list[str]:
