@@ -48,7 +48,7 @@ from ray import tune
 from relay import checkpoint, cluster, history, registry, trainer
 from relay.config import SweepConfig, trial_config
 
-# PBT's clock, reported only on the epochs PBT may act after (`acts_at`): never a trial's last
+# PBT's clock, reported only on the epochs PBT may act after (`acting_epochs`): never a trial's last
 # (a copy made there would have nothing left to train), and never between intervals — Tune's
 # restore of a sweep sets every trial's last perturbation back to 0, so a resumed trial's first
 # epoch past an interval would otherwise act again, from the donor's checkpoint of that interval.
@@ -113,9 +113,9 @@ def scheduler(cfg: SweepConfig):
     )
 
 
-def acts_at(epoch: int, interval: int, epochs: int) -> bool:
-    """Whether PBT may exploit/explore after `epoch`: then the report carries a checkpoint."""
-    return epoch % interval == 0 and epoch < epochs
+def acting_epochs(interval: int, epochs: int) -> frozenset[int]:
+    """The epochs PBT may exploit/explore after: there the report carries a checkpoint."""
+    return frozenset(range(interval, epochs, interval))
 
 
 # --- Train's reports to Tune, through the driver -----------------------------------------------
@@ -230,16 +230,17 @@ def trial_driver(
     *,
     base: dict[str, Any],
     sweep_id: str,
-    interval: int | None = None,
-    hold_at: frozenset[int] | None = None,
-    chosen_by: str = "pbt",
+    hold_at: frozenset[int],
+    chosen_by: str,
+    clock: str | None = None,
     data=None,
 ) -> None:
-    """One trial start whose Train run waits for Tune's decision at some epochs: a PBT trial
-    (`interval`: every interval epoch, where PBT may exploit) or a promotion-based ASHA trial
-    (`hold_at`: its rungs, where it may pause; promotion.py). Fits its Train run (from the
-    checkpoint Tune hands over, if any) in a thread, and reports each epoch to Tune from this
-    one (Tune's function-trainable thread), with a Tune checkpoint at each held epoch.
+    """One trial start whose Train run waits for Tune's decision at the epochs in `hold_at`: a
+    PBT trial's `acting_epochs` (where PBT may exploit; `clock` TIME_ATTR reports them) or a
+    promotion-based ASHA trial's rungs (where it may pause; promotion.py). Fits its Train run
+    (from the checkpoint Tune hands over, if any) in a thread, and reports each epoch to Tune
+    from this one (Tune's function-trainable thread), with a Tune checkpoint at each held
+    epoch; `chosen_by` names what chose its config.
     `data`: the sweep's split, put in the object store once (see sweep._trial_driver)."""
     cfg = trial_config(base, params["params"])
     trial_id = tune.get_context().get_trial_id()
@@ -247,9 +248,6 @@ def trial_driver(
     run_id, init, label = _segment(
         storage, sweep_id, trial_id, tune.get_checkpoint(), params["params"]
     )
-    if interval is not None:
-        hold_at = frozenset(e for e in range(1, cfg.epochs + 1) if acts_at(e, interval, cfg.epochs))
-    hold_at = hold_at or frozenset()
     mailbox = _Mailbox.remote()
     if label:
         chosen_by = f"pbt:exploit {label['from_trial']}"
@@ -282,8 +280,8 @@ def trial_driver(
     while (item := ray.get(mailbox.get.remote())) is not None:
         metrics, path, hold = item
         epoch = metrics.get("epoch", 0)
-        if interval is not None and epoch in hold_at:
-            metrics[TIME_ATTR] = epoch
+        if clock and epoch in hold_at:
+            metrics[clock] = epoch
         metrics["chosen_by"] = chosen_by
         if hold and path:
             source = {"run_id": run_id, "trial_id": trial_id, "epoch": epoch}

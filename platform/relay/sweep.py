@@ -214,7 +214,13 @@ def _tuner(cfg: SweepConfig, sweep_id: str, storage: Path, out: TextIO | None, r
     shared = ingest.put_for_trials(cfg.train, cfg.search)
     if cfg.search_alg == "pbt":  # its driver also hands checkpoints to Tune (see pbt.py)
         driver = tune.with_parameters(
-            pbt.trial_driver, base=base, sweep_id=sweep_id, interval=cfg.pbt.interval, data=shared
+            pbt.trial_driver,
+            base=base,
+            sweep_id=sweep_id,
+            hold_at=pbt.acting_epochs(cfg.pbt.interval, cfg.train.epochs),
+            chosen_by="pbt",
+            clock=pbt.TIME_ATTR,
+            data=shared,
         )
     elif promoting(cfg):  # the same driver, its runs waiting at each rung for Tune's decision
         driver = tune.with_parameters(
