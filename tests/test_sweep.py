@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support import REPO
+from support import REPO, subprocess_env, sweep_driver
 
-from relay import checkpoint, history, registry, report, sweep
+from relay import checkpoint, history, promotion, registry, report, sweep
 from relay.cli import main as relay_main
 from relay.config import ConfigError, SweepConfig, load_sweep, sweep_from_dict
 
@@ -169,12 +169,18 @@ def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
     assert set(re.findall(r'id="stopped-([^"]+)"', page)) == {t["trial_id"] for t in stopped}
 
 
-def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(ray_cluster, storage):
+@pytest.mark.slow
+def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(ray_cluster, storage, tmp_path):
     """asha.strategy promote, one trial at a time, rungs at epochs 1 and 2 of 4 (rf 2). The
     first trial (a good lr) has nothing to rank against at rung 1, so it pauses, where Ray's
-    stopping rule would run it on; the hopeless second ranks below it, so the first is promoted
+    stopping rule would run it on. The driver is killed there (a crash) and the sweep resumed:
+    the paused trial waits again, the hopeless second ranks below it, so the first is promoted
     and resumed from its rung-1 checkpoint; the last (the best lr) passes both rungs at once
-    and alone trains to max_t; the sweep ends by stopping every trial still paused."""
+    and alone trains to max_t; the sweep ends by stopping every trial still paused. Both
+    drivers join this test's cluster, the resumed one is this process: its placement groups
+    can be checked after."""
+    import ray
+
     cfg = sweep_config(
         storage,
         search={"optim.lr": {"grid": [3e-3, 1e-6, 1e-5, 1e-2]}},
@@ -182,13 +188,47 @@ def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(ray_cluster, st
         asha={"grace_period": 1, "reduction_factor": 2, "strategy": "promote"},
     )
     assert sweep.promotion_rungs(cfg) == [1, 2]
-    result = sweep.run(cfg, out=None)
-    import ray
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json())))
+    # Tune saves its experiment state at most every 10 s ("auto"); 1 s here: less to wait for.
+    env = subprocess_env(
+        TUNE_GLOBAL_CHECKPOINT_S="1",
+        RAY_ADDRESS=ray.get_runtime_context().gcs_address,
+        RAY_AUTH_MODE="token",  # the token: ~/.ray/auth_token, as for the cluster ray.init started
+    )
 
+    def rungs(sweep_dir: Path) -> dict[int, dict]:
+        state = sweep_dir / promotion.STATE
+        return {r["epoch"]: r for r in json.loads(state.read_text())["rungs"]}
+
+    with sweep_driver(path, env) as driver:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert driver.poll() is None, "the sweep ended before it could be interrupted"
+            dirs = list((storage / "sweeps").glob("*"))
+            if dirs and (dirs[0] / promotion.STATE).exists() and rungs(dirs[0])[1]["recorded"]:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("no trial reached rung 1")
+        (sweep_dir,) = dirs
+        paused_at = (sweep_dir / promotion.STATE).stat().st_mtime
+        while time.monotonic() < deadline:  # Tune saves its state after the pause
+            states = list(sweep_dir.glob("experiment_state-*.json"))
+            if states and max(p.stat().st_mtime for p in states) > paused_at + 1:
+                break
+            time.sleep(0.2)
+    killed_at = rungs(sweep_dir)
+    assert len(killed_at[1]["recorded"]) == 1 and not killed_at[1]["promoted"], killed_at
+    (first,) = killed_at[1]["recorded"]
+
+    # Resumed here, as `relay tune --resume` does, so that what it leaves behind can be seen.
+    result = sweep.run(sweep.load_spec(storage, sweep_dir.name), resume=sweep_dir.name, out=None)
     groups = ray.util.placement_group_table().values()
     assert [g for g in groups if g["state"] != "REMOVED"] == []
 
     trials = {t["config"]["optim.lr"]: t for t in result.trials}
+    assert trials[3e-3]["trial_id"] == first  # the grid's order: the good lr came first
     # Tune's view: the epochs each trial was let train before its last decision
     assert {lr: t["epochs_run"] for lr, t in trials.items()} == {
         3e-3: 2,  # paused at rung 1, promoted, paused at rung 2 behind 1e-2, stopped at the end
@@ -199,18 +239,29 @@ def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(ray_cluster, st
     assert [t["status"] for t in trials.values()].count("completed") == 1
     assert result.best["config"]["optim.lr"] == 1e-2
     assert all(t["chosen_by"] == "random" for t in result.trials)  # the search chose
+    # Every rung's decisions, across the kill: all four ranked at rung 1, where 3e-3 was kept
+    # on the second's arrival and 1e-2 on its own; 1e-2 alone passed rung 2.
+    ids = {lr: t["trial_id"] for lr, t in trials.items()}
+    final = rungs(sweep_dir)
+    assert set(final[1]["recorded"]) == set(ids.values())
+    assert set(final[1]["promoted"]) == {ids[3e-3], ids[1e-2]}
+    assert set(final[2]["recorded"]) == {ids[3e-3], ids[1e-2]}
+    assert final[2]["promoted"] == [ids[1e-2]]
 
-    # The promoted trial's Train run was stopped and resumed: one run, resumed once, its
-    # second stretch starting right after the rung-1 checkpoint (history.jsonl keeps every
-    # attempt; the first stretch may have run ahead of the pause before it was stopped).
+    # The promoted trial's Train run was stopped and resumed: one run, resumed once (after the
+    # kill, not at it: it waited at the rung), its second stretch starting right after the
+    # rung-1 checkpoint (history.jsonl keeps every attempt; the first stretch may have run
+    # ahead of the pause before it was stopped).
     record = registry.get_run(storage, trials[3e-3]["run_id"])
     assert record["resumes"] == 1, record
     attempts = [e["epoch"] for e in history.read_raw(record["run_dir"]) if "train_loss" in e]
     restart = next(i for i in range(1, len(attempts)) if attempts[i] <= attempts[i - 1])
     assert attempts[0] == 1 and attempts[restart] == 2, attempts
-    # The trials paused for good never resumed.
-    for lr in (1e-6, 1e-5):
-        assert registry.get_run(storage, trials[lr]["run_id"]).get("resumes") == 0
+    # Trials started after the resume, one at a time: 1e-5 paused for good, never resumed;
+    # 1e-2 started only once 1e-5 had paused (else it would have met rung 2 first and waited
+    # there), so it ran straight through.
+    for lr in (1e-5, 1e-2):
+        assert registry.get_run(storage, trials[lr]["run_id"]).get("resumes") == 0, lr
 
 
 def test_placement_groups_of_dead_actors_are_released(ray_cluster):

@@ -22,16 +22,28 @@ Tune starts every PENDING trial it has (its trial actors reserve no real resourc
 trial's TorchTrainer does), so the number of trials training at once is held by the searcher,
 which draws a new trial only while fewer than the sweep's limit train (`RunningGate`): a
 paused trial holds no slot, which the searcher's own concurrency limit cannot express.
+
+`relay tune --resume`: Tune saves its trials and its searcher, not its scheduler, and re-queues
+every unfinished trial as PENDING. So the scheduler stages what it recorded and promoted at
+each rung (promotion.json) where Tune stages its own state, which Tune uploads to the sweep's
+directory with its trials' and its searcher's and downloads on a resume; the resumed scheduler
+reads it back and puts each trial that was waiting at a rung back to PAUSED. The restored
+searcher keeps the scheduler's gate, not the copy in its saved state.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 from ray.tune.search import ConcurrencyLimiter
 from ray.tune.search.basic_variant import BasicVariantGenerator
+
+STATE = "promotion.json"  # in the sweep's directory: what each rung recorded and promoted
 
 
 class RunningGate:
@@ -70,6 +82,9 @@ class GatedVariants(BasicVariantGenerator):
     def next_trial(self):
         return super().next_trial() if self.gate.open() else None
 
+    def set_state(self, state: dict) -> None:  # a resumed sweep: see keep_gate
+        keep_gate(self, super().set_state, state)
+
 
 class GatedLimiter(ConcurrencyLimiter):
     """A searcher (TPE) behind the gate; `max_concurrent` counts paused trials too, so the
@@ -81,6 +96,18 @@ class GatedLimiter(ConcurrencyLimiter):
 
     def suggest(self, trial_id: str):
         return super().suggest(trial_id) if self.gate.open() else None
+
+    def set_state(self, state: dict) -> None:  # a resumed sweep: see keep_gate
+        keep_gate(self, super().set_state, state)
+
+
+def keep_gate(searcher, set_state, state: dict) -> None:
+    """Restore a gated searcher's saved state but keep its gate. Unpickled together from
+    Tune's saved tuner, the searcher and the scheduler share one gate; the searcher's saved
+    state holds a detached copy (RunningGate saves no references), which would always be open."""
+    gate = searcher.gate
+    set_state(state)
+    searcher.gate = gate
 
 
 class PromotingASHA(FIFOScheduler):
@@ -107,6 +134,42 @@ class PromotingASHA(FIFOScheduler):
         # per rung: trial id -> score recorded there; the trial ids promoted from it
         self._recorded: dict[float, dict[str, float]] = {r: {} for r in rungs}
         self._promoted: dict[float, set[str]] = {r: set() for r in rungs}
+        self._staging: Path | None = None  # see _attach
+
+    # --- what survives the driver (relay tune --resume) ----------------------------------------
+
+    def _attach(self, trial: Trial) -> None:
+        """At the first trial: where Tune stages the sweep's state on this driver (uploaded to
+        the sweep's directory with Tune's own, so both describe one moment), and the decisions
+        found there — a resumed sweep's, downloaded by Tune before it re-adds the trials."""
+        if self._staging is not None:
+            return
+        self._staging = Path(trial.local_experiment_path)
+        if (saved := self._staging / STATE).exists():
+            for rung in json.loads(saved.read_text())["rungs"]:
+                self._recorded[rung["epoch"]] = rung["recorded"]
+                self._promoted[rung["epoch"]] = set(rung["promoted"])
+
+    def _save(self) -> None:
+        state = {
+            "rungs": [
+                {"epoch": r, "recorded": rec, "promoted": sorted(self._promoted[r])}
+                for r, rec in self._recorded.items()
+            ]
+        }
+        tmp = self._staging / f"{STATE}.tmp"
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, self._staging / STATE)  # atomic: an upload sees the old state or the new
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Tune pickles its tuner, this scheduler in it; a resumed sweep's driver stages
+        # elsewhere and finds the decisions in its own staging directory.
+        return {**self.__dict__, "_staging": None}
+
+    def _waiting_at_rung(self, trial_id: str) -> bool:
+        """Paused at the highest rung it reached, and not promoted from it since."""
+        reached = [r for r, rec in self._recorded.items() if trial_id in rec]
+        return bool(reached) and trial_id not in self._promoted[max(reached)]
 
     def set_search_properties(self, metric: str | None, mode: str | None, **spec: Any) -> bool:
         # TuneConfig passes the sweep's metric and mode again: the same ones, given above.
@@ -119,6 +182,12 @@ class PromotingASHA(FIFOScheduler):
 
     def on_trial_add(self, tune_controller, trial: Trial) -> None:
         self._watch(tune_controller)
+        self._attach(trial)
+        if trial.status == Trial.PENDING and self._waiting_at_rung(trial.trial_id):
+            # A resumed sweep re-queues its unfinished trials as PENDING, and Tune starts every
+            # PENDING trial; one that waited at a rung waits again. (Tune files an added trial
+            # under its status after this call.)
+            trial.set_status(Trial.PAUSED)
 
     def on_trial_result(self, tune_controller, trial: Trial, result: dict) -> str:
         self._watch(tune_controller)
@@ -133,10 +202,12 @@ class PromotingASHA(FIFOScheduler):
         if rung is None or trial.trial_id in self._recorded[rung]:
             return TrialScheduler.CONTINUE
         self._recorded[rung][trial.trial_id] = self._sign * result[self._metric]
+        decision = TrialScheduler.PAUSE
         if trial.trial_id in self._promotable(rung):
             self._promoted[rung].add(trial.trial_id)
-            return TrialScheduler.CONTINUE
-        return TrialScheduler.PAUSE
+            decision = TrialScheduler.CONTINUE
+        self._save()
+        return decision
 
     def _promotable(self, rung: float, at_least: int = 0) -> list[str]:
         """Trial ids in the rung's top 1/reduction_factor (at least `at_least`), best first,
@@ -162,6 +233,7 @@ class PromotingASHA(FIFOScheduler):
         if self.gate.has_room() and (promotion := self._next_promotion(tune_controller)):
             rung, trial = promotion
             self._promoted[rung].add(trial.trial_id)
+            self._save()
             return trial
         trials = tune_controller.get_trials()
         for trial in trials:
@@ -185,6 +257,7 @@ class PromotingASHA(FIFOScheduler):
                 waiting = [t for t in self._promotable(rung, at_least=everyone) if t in paused]
                 if waiting:
                     self._promoted[rung].add(waiting[0])
+                    self._save()
                     return paused[waiting[0]]
         for trial in paused.values():
             tune_controller.stop_trial(trial)

@@ -6,8 +6,9 @@ callbacks=[TuneReportCallback()])` forwards each epoch's report to Tune, so ASHA
 metrics and stops weak trials early. The sweep is distributed twice over: trials in parallel,
 each trial data-parallel.
 
-    <storage>/sweeps/<sweep id>/     Tune's experiment state (what `--resume` restores) and
-                                     sweep.json (the validated sweep config)
+    <storage>/sweeps/<sweep id>/     Tune's experiment state (what `--resume` restores),
+                                     sweep.json (the validated sweep config) and, for
+                                     asha.strategy promote, promotion.json (its rungs)
     <storage>/runs/<sweep id>-<trial id>/   each trial's Train run, as any other run
     <storage>/runs/<sweep id>-<trial id>-p<n>/   search_alg pbt: the run a trial continues in
                                      after its n-th copy of another trial's checkpoint (pbt.py)
