@@ -475,7 +475,13 @@ def search_algorithms(results: dict[str, dict[str, Any]]) -> str:
         f"{f['trials']} trials x {f['epochs']} epochs of {f['task']}/{f['size']} per sweep "
         f"(budget {f['budget_epochs']} epochs; PBT every {f['pbt_interval']} epochs), "
         f"seeds {', '.join(map(str, f['seeds']))}; median (min–max) over the seeds. "
-        f"Run: `{e['command']}`, {(e['commit'] or '?')[:8]}{'+' if e['dirty'] else ''}, "
+        + (
+            f"Random and TPE run {f['search_concurrency']} trial(s) at a time (TPE chooses "
+            "from finished trials' results), PBT its whole population. "
+            if "search_concurrency" in f
+            else ""
+        )
+        + f"Run: `{e['command']}`, {(e['commit'] or '?')[:8]}{'+' if e['dirty'] else ''}, "
         f"{e['date'][:10]}.",
         "",
         f"| search | best {f['metric']} | vs random | wall | epochs trained |",

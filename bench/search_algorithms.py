@@ -1,5 +1,6 @@
 """.venv/bin/python bench/search_algorithms.py [--samples 4] [--epochs 8] [--seeds 0,1,2]
                                             [--arms random,tpe,pbt] [--interval 2]
+                                            [--search-concurrency 1]
 
 Random search vs TPE vs PBT on the same budget, on one embedded Ray cluster.
 
@@ -13,9 +14,14 @@ epoch each arm really trained (from the runs' histories), so the budget can be c
 Each arm runs once per seed in `--seeds` (the seed draws the search's configs; for pbt, its
 starting population). The order alternates over the seeds (random, tpe, pbt, then reversed,
 ...), so a machine that warms up or slows down favours no arm; each sweep gets a fresh storage
-root. All arms use the same worker settings: 1 worker per trial at `--cpus-per-worker` CPUs, so
-every trial of the population runs at once (PBT needs its whole population live; the other
-arms get the same concurrency).
+root. All arms use the same worker settings: 1 worker per trial at `--cpus-per-worker` CPUs.
+PBT runs its whole population at once (it compares and copies between live trials); random and
+TPE run `--search-concurrency` trials at a time (default 1). A searcher learns only from
+finished trials: with every trial started at once, TPE would choose all its configs before
+seeing any result — random search with another seed. One at a time, TPE's trials after its
+random start-up (relay's: max(2, samples // 4)) are chosen from the results before them.
+Random search draws the same configs at any concurrency; it runs as TPE does, so the two
+arms' walls compare.
 
 Prints each sweep's best val loss, wall time and epochs, then per arm the median and spread
 (min-max over seeds), and ends with one JSON line: per arm `best_median` / `_min` / `_max`,
@@ -54,6 +60,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seeds", default="0,1,2", help="one sweep per arm and seed")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--cpus-per-worker", type=float, default=0.5)
+    parser.add_argument(
+        "--search-concurrency",
+        type=int,
+        default=1,
+        help="trials at a time for random and tpe (pbt: its whole population)",
+    )
     parser.add_argument("--lr-range", default="1e-4,3e-2", help="log-uniform low,high")
     args = parser.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",")]
@@ -93,6 +105,7 @@ def sweep_spec(args, storage: Path, arm: str, seed: int) -> dict:
         "metric": "val_loss",
         "mode": "min",
         "workers_per_trial": 1,
+        "max_concurrent_trials": args.samples if arm == "pbt" else args.search_concurrency,
         "asha": {"enabled": False},
         "pbt": {"interval": args.interval},
     }
@@ -187,6 +200,7 @@ def main() -> int:
         "size": args.size,
         "model": json.loads(args.model),
         "cpus_per_worker": args.cpus_per_worker,
+        "search_concurrency": args.search_concurrency,
     }
     print(json.dumps(figures))
     return 0
