@@ -148,10 +148,13 @@ def _asha_workload(f: dict[str, Any]) -> str:
     """What differs from the defaults: the corpus and the ASHA arm's strategy."""
     settings = f.get("asha_settings", {})
     corpus = f["model"].get("corpus_bytes")
-    return (f", a {corpus // 1000} kB corpus" if corpus else "") + (
-        ", ASHA by promotions (`asha.strategy: promote`)"
-        if settings.get("strategy") == "promote"
-        else ""
+    strategy = {
+        "promote": ", ASHA by promotions (`asha.strategy: promote`)",
+        "stop": ", ASHA by Ray's stopping rule (`asha.strategy: stop`)",
+    }
+    # rows from before the option name no strategy: Ray's rule, the only one then
+    return (f", a {corpus // 1000} kB corpus" if corpus else "") + strategy.get(
+        settings.get("strategy"), ""
     )
 
 
@@ -421,6 +424,10 @@ TABLE = {
     ),
     "asha_vs_random_promote": (
         "the 9-trial sweep with ASHA by promotions, where epochs are long next to a start-up",
+        asha_vs_random,
+    ),
+    "asha_vs_random_stop_160k": (
+        "the same sweeps as the row above with Ray's stopping rule (`asha.strategy: stop`)",
         asha_vs_random,
     ),
     "startup": (

@@ -54,6 +54,13 @@ BENCHES: dict[str, list[str]] = {
         *("--samples", "9", "--epochs", "9", "--model", '{"corpus_bytes": 160000}'),
         *("--strategy", "promote", "--seeds", "0,1,2", "--repeats", "1"),
     ],
+    # The same sweeps under Ray's stopping rule (the default strategy): stop vs promote on one
+    # workload, each against its own no-stopping sweeps of the same configs.
+    "asha_vs_random_stop_160k": [
+        "bench/asha_vs_random.py",
+        *("--samples", "9", "--epochs", "9", "--model", '{"corpus_bytes": 160000}'),
+        *("--strategy", "stop", "--seeds", "0,1,2", "--repeats", "1"),
+    ],
     "startup": ["bench/startup.py"],
     "search_algorithms": ["bench/search_algorithms.py"],
     "overlap": ["bench/overlap.py"],
