@@ -128,13 +128,15 @@ def trial_runs(storage: Path, trials: list[dict]) -> list[tuple[dict, list[dict]
 
 
 def startup_seconds(runs: list[tuple[dict, list[dict]]]) -> list[float]:
-    """Per trial run (from trial_runs): from its fit() starting to its first training step."""
-    started = [datetime.fromisoformat(record["started_at"]).timestamp() for record, _ in runs]
-    return [
-        epochs[0]["time"] - epochs[0]["epoch_s"] - start
-        for (_, epochs), start in zip(runs, started, strict=True)
-        if epochs
-    ]
+    """Per trial run (from trial_runs) never resumed: from its fit() starting to its first
+    training step. (A resumed run's record keeps its last start, after its first epochs: ASHA
+    by promotions resumes the trials it promotes.)"""
+    out = []
+    for record, epochs in runs:
+        if epochs and not record.get("resumes"):
+            started = datetime.fromisoformat(record["started_at"]).timestamp()
+            out.append(epochs[0]["time"] - epochs[0]["epoch_s"] - started)
+    return out
 
 
 def rank_of_best(curves: list[list[float]], mode: str) -> dict:
