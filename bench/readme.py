@@ -474,17 +474,28 @@ def sample(name: str, keep: Callable[[list[str]], list[str]]) -> Callable[[dict]
     return render
 
 
+# bench/search_algorithms.py's rows: the three arms on PBT's shape, then random vs TPE on many
+# short trials, where TPE has results to learn from.
+SEARCH_ROWS = ("search_algorithms", "search_algorithms_many_trials")
+
+
 def search_algorithms(results: dict[str, dict[str, Any]]) -> str:
-    """Random vs TPE vs PBT on one budget: best val loss, wall time, epochs, per arm."""
-    e = results["search_algorithms"]
+    """Random vs TPE vs PBT on one budget: best val loss, wall time, epochs, per arm; one
+    table per row of SEARCH_ROWS that was run."""
+    return "\n".join(_search_table(results[name]) for name in SEARCH_ROWS if name in results)
+
+
+def _search_table(e: dict[str, Any]) -> str:
     f = e["figures"]
+    pbt = "pbt" in f["arms"]
     lines = [
         f"{f['trials']} trials x {f['epochs']} epochs of {f['task']}/{f['size']} per sweep "
-        f"(budget {f['budget_epochs']} epochs; PBT every {f['pbt_interval']} epochs), "
-        f"seeds {', '.join(map(str, f['seeds']))}; median (min–max) over the seeds. "
+        f"(budget {f['budget_epochs']} epochs"
+        + (f"; PBT every {f['pbt_interval']} epochs" if pbt else "")
+        + f"), seeds {', '.join(map(str, f['seeds']))}; median (min–max) over the seeds. "
         + (
             f"Random and TPE run {f['search_concurrency']} trial(s) at a time (TPE chooses "
-            "from finished trials' results), PBT its whole population. "
+            "from finished trials' results)" + (", PBT its whole population. " if pbt else ". ")
             if "search_concurrency" in f
             else ""
         )

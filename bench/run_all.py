@@ -63,6 +63,12 @@ BENCHES: dict[str, list[str]] = {
     ],
     "startup": ["bench/startup.py"],
     "search_algorithms": ["bench/search_algorithms.py"],
+    # TPE needs results to learn from: 16 short trials (4 random start-up, 12 chosen by TPE)
+    # on the same budget of 32 epochs, random vs TPE only (PBT's population must fit at once).
+    "search_algorithms_many_trials": [
+        "bench/search_algorithms.py",
+        *("--samples", "16", "--epochs", "2", "--arms", "random,tpe"),
+    ],
     "overlap": ["bench/overlap.py"],
     "serve_load": ["bench/serve_load.py"],
     "serve_multiplex": ["bench/serve_multiplex.py"],
