@@ -121,22 +121,22 @@ def sweep_spec(args, storage: Path, asha: bool, seed: int) -> dict:
     }
 
 
-def startup_seconds(storage: Path, result) -> list[float]:
-    """Per trial: from the trial's fit() starting to its first training step."""
+def trial_runs(storage: Path, trials: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """Per trial: its run's record and the epochs the run trained (its history)."""
+    records = [registry.get_run(storage, trial["run_id"]) for trial in trials]
+    return [(record, history.read(record["run_dir"])) for record in records]
+
+
+def startup_seconds(runs: list[tuple[dict, list[dict]]]) -> list[float]:
+    """Per trial run (from trial_runs) never resumed: from its fit() starting to its first
+    training step. (A resumed run's record keeps its last start, after its first epochs: ASHA
+    by promotions resumes the trials it promotes.)"""
     out = []
-    for trial in result.trials:
-        record = registry.get_run(storage, trial["run_id"])
-        epochs = history.read(record["run_dir"])
-        if epochs:
+    for record, epochs in runs:
+        if epochs and not record.get("resumes"):
             started = datetime.fromisoformat(record["started_at"]).timestamp()
             out.append(epochs[0]["time"] - epochs[0]["epoch_s"] - started)
     return out
-
-
-def metric_curve(storage: Path, trial: dict, metric: str) -> list[float]:
-    """The trial's `metric` after each epoch it trained, from its run's history."""
-    record = registry.get_run(storage, trial["run_id"])
-    return [epoch[metric] for epoch in history.read(record["run_dir"])]
 
 
 def rank_of_best(curves: list[list[float]], mode: str) -> dict:
@@ -163,9 +163,10 @@ def run_sweep(args, storage: Path, arm: str, seed: int) -> dict:
     started = time.perf_counter()
     result = sweep.run(cfg, out=None)
     wall = time.perf_counter() - started
-    startup = startup_seconds(storage, result)
     trials = sorted(result.trials, key=trial_index)
-    curves = [metric_curve(storage, trial, cfg.metric) for trial in trials]
+    runs = trial_runs(storage, trials)
+    startup = startup_seconds(runs)
+    curves = [[epoch[cfg.metric] for epoch in epochs] for _, epochs in runs]  # per epoch trained
     print(
         f"  seed {seed} {arm:<5} {wall:6.1f} s  {sum(t['epochs_run'] for t in trials):3d} epochs  "
         f"best {cfg.metric} {result.best['best_score']:.4f}",

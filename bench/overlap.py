@@ -66,7 +66,7 @@ def run_sweep(args, storage: Path, overlap: int) -> dict:
         "wall_s": wall,
         "epochs_trained": epochs,
         "best": result.best["best_score"],
-        "startup_s": statistics.median(base.startup_seconds(storage, result)),
+        "startup_s": statistics.median(base.startup_seconds(base.trial_runs(storage, trials))),
         "configs": [t["config"] for t in trials],
     }
 

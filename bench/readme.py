@@ -148,10 +148,13 @@ def _asha_workload(f: dict[str, Any]) -> str:
     """What differs from the defaults: the corpus and the ASHA arm's strategy."""
     settings = f.get("asha_settings", {})
     corpus = f["model"].get("corpus_bytes")
-    return (f", a {corpus // 1000} kB corpus" if corpus else "") + (
-        ", ASHA by promotions (`asha.strategy: promote`)"
-        if settings.get("strategy") == "promote"
-        else ""
+    strategy = {
+        "promote": ", ASHA by promotions (`asha.strategy: promote`)",
+        "stop": ", ASHA by Ray's stopping rule (`asha.strategy: stop`)",
+    }
+    # rows from before the option name no strategy: Ray's rule, the only one then
+    return (f", a {corpus // 1000} kB corpus" if corpus else "") + strategy.get(
+        settings.get("strategy"), ""
     )
 
 
@@ -423,6 +426,10 @@ TABLE = {
         "the 9-trial sweep with ASHA by promotions, where epochs are long next to a start-up",
         asha_vs_random,
     ),
+    "asha_vs_random_stop_160k": (
+        "the same sweeps as the row above with Ray's stopping rule (`asha.strategy: stop`)",
+        asha_vs_random,
+    ),
     "startup": (
         "per-run start-up: a Tune trial and a run vs a bare TorchTrainer; switches vs Ray's",
         startup,
@@ -467,17 +474,28 @@ def sample(name: str, keep: Callable[[list[str]], list[str]]) -> Callable[[dict]
     return render
 
 
+# bench/search_algorithms.py's rows: the three arms on PBT's shape, then random vs TPE on many
+# short trials, where TPE has results to learn from.
+SEARCH_ROWS = ("search_algorithms", "search_algorithms_many_trials")
+
+
 def search_algorithms(results: dict[str, dict[str, Any]]) -> str:
-    """Random vs TPE vs PBT on one budget: best val loss, wall time, epochs, per arm."""
-    e = results["search_algorithms"]
+    """Random vs TPE vs PBT on one budget: best val loss, wall time, epochs, per arm; one
+    table per row of SEARCH_ROWS that was run."""
+    return "\n".join(_search_table(results[name]) for name in SEARCH_ROWS if name in results)
+
+
+def _search_table(e: dict[str, Any]) -> str:
     f = e["figures"]
+    pbt = "pbt" in f["arms"]
     lines = [
         f"{f['trials']} trials x {f['epochs']} epochs of {f['task']}/{f['size']} per sweep "
-        f"(budget {f['budget_epochs']} epochs; PBT every {f['pbt_interval']} epochs), "
-        f"seeds {', '.join(map(str, f['seeds']))}; median (min–max) over the seeds. "
+        f"(budget {f['budget_epochs']} epochs"
+        + (f"; PBT every {f['pbt_interval']} epochs" if pbt else "")
+        + f"), seeds {', '.join(map(str, f['seeds']))}; median (min–max) over the seeds. "
         + (
             f"Random and TPE run {f['search_concurrency']} trial(s) at a time (TPE chooses "
-            "from finished trials' results), PBT its whole population. "
+            "from finished trials' results)" + (", PBT its whole population. " if pbt else ". ")
             if "search_concurrency" in f
             else ""
         )

@@ -54,8 +54,21 @@ BENCHES: dict[str, list[str]] = {
         *("--samples", "9", "--epochs", "9", "--model", '{"corpus_bytes": 160000}'),
         *("--strategy", "promote", "--seeds", "0,1,2", "--repeats", "1"),
     ],
+    # The same sweeps under Ray's stopping rule (the default strategy): stop vs promote on one
+    # workload, each against its own no-stopping sweeps of the same configs.
+    "asha_vs_random_stop_160k": [
+        "bench/asha_vs_random.py",
+        *("--samples", "9", "--epochs", "9", "--model", '{"corpus_bytes": 160000}'),
+        *("--strategy", "stop", "--seeds", "0,1,2", "--repeats", "1"),
+    ],
     "startup": ["bench/startup.py"],
     "search_algorithms": ["bench/search_algorithms.py"],
+    # TPE needs results to learn from: 16 short trials (4 random start-up, 12 chosen by TPE)
+    # on the same budget of 32 epochs, random vs TPE only (PBT's population must fit at once).
+    "search_algorithms_many_trials": [
+        "bench/search_algorithms.py",
+        *("--samples", "16", "--epochs", "2", "--arms", "random,tpe"),
+    ],
     "overlap": ["bench/overlap.py"],
     "serve_load": ["bench/serve_load.py"],
     "serve_multiplex": ["bench/serve_multiplex.py"],
