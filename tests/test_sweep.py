@@ -255,30 +255,39 @@ def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(storage, tmp_pa
 
 
 def test_placement_groups_of_dead_actors_are_released(ray_cluster):
-    """What a sweep does for trials Tune killed mid-run: their worker groups' CPUs come back."""
+    """What a sweep does for trials Tune killed mid-run: their worker groups' CPUs come back.
+    Only this test's groups are asked about (the cluster is shared), and they are removed
+    whatever the outcome: a group left here would hold CPUs that later tests need."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, remove_placement_group
 
     from relay import cluster
 
     @ray.remote(num_cpus=0)
     class Creator:
-        def reserve(self) -> None:
-            ray.get(placement_group([{"CPU": 1}]).ready())
+        def reserve(self) -> str:
+            group = placement_group([{"CPU": 1}])
+            ray.get(group.ready())
+            return group.id.hex()
 
     mine = placement_group([{"CPU": 1}])  # the driver's own group must survive
-    ray.get(mine.ready())
     creator = Creator.remote()
-    ray.get(creator.reserve.remote())
-    assert cluster.release_orphaned_placement_groups() == 0  # its creator still lives
-    ray.kill(creator)
-    deadline = time.monotonic() + 30
-    released = 0
-    while not released and time.monotonic() < deadline:
+    try:
+        ray.get(mine.ready())
+        made = ray.get(creator.reserve.remote())
         released = cluster.release_orphaned_placement_groups()
-        time.sleep(0.2)
-    assert released == 1
-    ray.util.remove_placement_group(mine)
+        assert made not in released and mine.id.hex() not in released  # its creator lives
+        ray.kill(creator)
+        deadline = time.monotonic() + 30
+        while made not in released and time.monotonic() < deadline:
+            released = cluster.release_orphaned_placement_groups()
+            time.sleep(0.2)
+        assert made in released and mine.id.hex() not in released
+        assert ray.util.placement_group_table()[made]["state"] == "REMOVED"
+        assert ray.util.placement_group_table()[mine.id.hex()]["state"] == "CREATED"
+    finally:
+        ray.kill(creator)
+        remove_placement_group(mine)
 
 
 def test_sweep_config_errors_name_the_field():

@@ -291,8 +291,8 @@ def _dead(actor_id: bytes) -> bool:
     return bool(info) and info.get("State") == "DEAD"
 
 
-def release_orphaned_placement_groups() -> int:
-    """Remove placement groups whose creating actor is dead; returns how many.
+def release_orphaned_placement_groups() -> list[str]:
+    """Remove placement groups whose creating actor is dead; returns their ids (hex).
 
     A Train run's worker group lives in a placement group its controller actor creates. Ray
     keeps such a group until its creator actor *and* its job are gone, so when Tune stops a
@@ -310,13 +310,13 @@ def release_orphaned_placement_groups() -> int:
     from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-    released = 0
+    released = []
     for pg in _placement_groups():
         if not (_live(pg) and _made_by_actor(pg)):
             continue
         if pg.creator_actor_dead or _dead(pg.creator_actor_id):
             remove_placement_group(PlacementGroup(PlacementGroupID(pg.placement_group_id)))
-            released += 1
+            released.append(pg.placement_group_id.hex())
     return released
 
 
