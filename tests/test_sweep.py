@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support import REPO, resume_sweep, subprocess_env, sweep_driver
+from support import REPO, subprocess_env, sweep_driver
 
 from relay import checkpoint, history, promotion, registry, report, sweep
 from relay.cli import main as relay_main
@@ -170,15 +170,18 @@ def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
 
 
 @pytest.mark.slow
-def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(storage, tmp_path):
+def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(ray_cluster, storage, tmp_path):
     """asha.strategy promote, one trial at a time, rungs at epochs 1 and 2 of 4 (rf 2). The
     first trial (a good lr) has nothing to rank against at rung 1, so it pauses, where Ray's
     stopping rule would run it on. The driver is killed there (a crash) and the sweep resumed:
     the paused trial waits again, the hopeless second ranks below it, so the first is promoted
     and resumed from its rung-1 checkpoint; the last (the best lr) passes both rungs at once
-    and alone trains to max_t; the sweep ends by stopping every trial still paused. Each
-    driver starts a cluster of its own: a driver killed in a shared cluster can leave a worker
-    group's placement group behind there (Ray creates a pending one after its creator died)."""
+    and alone trains to max_t; the sweep ends by stopping every trial still paused. The killed
+    driver has a cluster of its own (a driver killed in the shared one could leave groups
+    there that later tests would miss); the resumed one is this process, as `relay tune
+    --resume` runs it, so that what it leaves behind can be seen."""
+    import ray
+
     cfg = sweep_config(
         storage,
         search={"optim.lr": {"grid": [3e-3, 1e-6, 1e-5, 1e-2]}},
@@ -216,8 +219,11 @@ def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(storage, tmp_pa
     assert len(killed_at[1]["recorded"]) == 1 and not killed_at[1]["promoted"], killed_at
     (first,) = killed_at[1]["recorded"]
 
-    result = resume_sweep(sweep_dir, storage, env)
-    trials = {t["config"]["optim.lr"]: t for t in result["trials"]}
+    result = sweep.run(sweep.load_spec(storage, sweep_dir.name), resume=sweep_dir.name, out=None)
+    groups = ray.util.placement_group_table().values()
+    assert [g for g in groups if g["state"] != "REMOVED"] == []
+
+    trials = {t["config"]["optim.lr"]: t for t in result.trials}
     assert trials[3e-3]["trial_id"] == first  # the grid's order: the good lr came first
     # Tune's view: the epochs each trial was let train before its last decision
     assert {lr: t["epochs_run"] for lr, t in trials.items()} == {
@@ -227,8 +233,8 @@ def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(storage, tmp_pa
         1e-2: 4,
     }
     assert [t["status"] for t in trials.values()].count("completed") == 1
-    assert result["best"]["config"]["optim.lr"] == 1e-2
-    assert all(t["chosen_by"] == "random" for t in result["trials"])  # the search chose
+    assert result.best["config"]["optim.lr"] == 1e-2
+    assert all(t["chosen_by"] == "random" for t in result.trials)  # the search chose
     # Every rung's decisions, across the kill: all four ranked at rung 1, where 3e-3 was kept
     # on the second's arrival and 1e-2 on its own; 1e-2 alone passed rung 2.
     ids = {lr: t["trial_id"] for lr, t in trials.items()}

@@ -72,7 +72,20 @@ class RunningGate:
         return {"limit": self.limit, "_trials": None, "_promotion_waiting": None}
 
 
-class GatedVariants(BasicVariantGenerator):
+class KeepsGate:
+    """Restores a gated searcher's saved state but keeps its gate. Unpickled together from
+    Tune's saved tuner, the searcher and the scheduler share one gate; the searcher's saved
+    state holds a detached copy (RunningGate saves no references), which would always be open."""
+
+    gate: RunningGate
+
+    def set_state(self, state: dict) -> None:  # a resumed sweep
+        gate = self.gate
+        super().set_state(state)
+        self.gate = gate
+
+
+class GatedVariants(KeepsGate, BasicVariantGenerator):
     """Tune's random/grid generator, drawing only while the gate is open."""
 
     def __init__(self, gate: RunningGate, **kwargs: Any) -> None:
@@ -82,11 +95,8 @@ class GatedVariants(BasicVariantGenerator):
     def next_trial(self):
         return super().next_trial() if self.gate.open() else None
 
-    def set_state(self, state: dict) -> None:  # a resumed sweep: see keep_gate
-        keep_gate(self, super().set_state, state)
 
-
-class GatedLimiter(ConcurrencyLimiter):
+class GatedLimiter(KeepsGate, ConcurrencyLimiter):
     """A searcher (TPE) behind the gate; `max_concurrent` counts paused trials too, so the
     caller gives it the whole population."""
 
@@ -96,18 +106,6 @@ class GatedLimiter(ConcurrencyLimiter):
 
     def suggest(self, trial_id: str):
         return super().suggest(trial_id) if self.gate.open() else None
-
-    def set_state(self, state: dict) -> None:  # a resumed sweep: see keep_gate
-        keep_gate(self, super().set_state, state)
-
-
-def keep_gate(searcher, set_state, state: dict) -> None:
-    """Restore a gated searcher's saved state but keep its gate. Unpickled together from
-    Tune's saved tuner, the searcher and the scheduler share one gate; the searcher's saved
-    state holds a detached copy (RunningGate saves no references), which would always be open."""
-    gate = searcher.gate
-    set_state(state)
-    searcher.gate = gate
 
 
 class PromotingASHA(FIFOScheduler):
@@ -202,12 +200,17 @@ class PromotingASHA(FIFOScheduler):
         if rung is None or trial.trial_id in self._recorded[rung]:
             return TrialScheduler.CONTINUE
         self._recorded[rung][trial.trial_id] = self._sign * result[self._metric]
-        decision = TrialScheduler.PAUSE
         if trial.trial_id in self._promotable(rung):
-            self._promoted[rung].add(trial.trial_id)
-            decision = TrialScheduler.CONTINUE
+            self._promote(rung, trial.trial_id)
+            return TrialScheduler.CONTINUE
         self._save()
-        return decision
+        return TrialScheduler.PAUSE
+
+    def _promote(self, rung: float, trial_id: str) -> None:
+        """Mark the trial promoted from the rung, and save at once: a resumed sweep must not
+        promote another in its place."""
+        self._promoted[rung].add(trial_id)
+        self._save()
 
     def _promotable(self, rung: float, at_least: int = 0) -> list[str]:
         """Trial ids in the rung's top 1/reduction_factor (at least `at_least`), best first,
@@ -232,8 +235,7 @@ class PromotingASHA(FIFOScheduler):
         self._watch(tune_controller)
         if self.gate.has_room() and (promotion := self._next_promotion(tune_controller)):
             rung, trial = promotion
-            self._promoted[rung].add(trial.trial_id)
-            self._save()
+            self._promote(rung, trial.trial_id)
             return trial
         trials = tune_controller.get_trials()
         for trial in trials:
@@ -256,8 +258,7 @@ class PromotingASHA(FIFOScheduler):
                 everyone = len(self._recorded[rung])
                 waiting = [t for t in self._promotable(rung, at_least=everyone) if t in paused]
                 if waiting:
-                    self._promoted[rung].add(waiting[0])
-                    self._save()
+                    self._promote(rung, waiting[0])
                     return paused[waiting[0]]
         for trial in paused.values():
             tune_controller.stop_trial(trial)
