@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from support import resume_sweep, subprocess_env, sweep_driver
+from support import subprocess_env, sweep_driver
 
 from relay import history, registry, sweep
 from relay.config import ConfigError, SweepConfig, sweep_from_dict
@@ -201,9 +201,10 @@ def test_a_seeded_sweeps_explore_draws_the_same_at_the_same_point(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_killed_pbt_sweep_resumes_from_its_trials_checkpoints(tmp_path):
+def test_a_killed_pbt_sweep_resumes_from_its_trials_checkpoints(ray_cluster, tmp_path):
     """Kill the sweep's driver once every trial has handed PBT its checkpoint at the first
-    interval; `relay tune --resume` finishes the population from those checkpoints: every
+    interval; the resume (in this process, as `relay tune --resume` runs it; the killed
+    driver has a cluster of its own) finishes the population from those checkpoints: every
     epoch trained after the resume comes after the interval (nothing restarts from scratch),
     every trial ends at the last epoch, and the sweep is finished."""
     storage = tmp_path / "storage"
@@ -234,9 +235,9 @@ def test_a_killed_pbt_sweep_resumes_from_its_trials_checkpoints(tmp_path):
     (sweep_dir,) = (storage / "sweeps").iterdir()
 
     resumed_at = time.time()
-    result = resume_sweep(sweep_dir, storage, env)
-    assert len(result["trials"]) == 2
-    assert all(t["status"] == "completed" and t["epochs_run"] == EPOCHS for t in result["trials"])
+    result = sweep.run(sweep.load_spec(storage, sweep_dir.name), resume=sweep_dir.name, out=None)
+    assert len(result.trials) == 2
+    assert all(t["status"] == "completed" and t["epochs_run"] == EPOCHS for t in result.trials)
     after = [
         e
         for r in sweep_runs()
@@ -254,4 +255,4 @@ def test_a_killed_pbt_sweep_resumes_from_its_trials_checkpoints(tmp_path):
         if r.get("pbt")
     ]
     assert len(exploits) == len(set(exploits)), exploits
-    assert result["model"].startswith("digits:")
+    assert result.model.startswith("digits:")
