@@ -1,9 +1,9 @@
 """deploy/kuberay/ and the Dockerfile, checked offline: no cluster, no Ray, no network.
 
 The custom resources (RayJob, RayService) are validated against the openAPIV3Schema of KubeRay's
-CRDs (deploy/kuberay/CRDS.md: not kept in the repo; where they are absent, these tests skip and
-say so), translated into JSON Schema 2020-12 the
-way the Kubernetes API server reads a structural schema (`k8s_schema` below):
+CRDs (vendored in deploy/kuberay/crds/, deploy/kuberay/CRDS.md says from where; a missing or
+changed file fails every test below rather than skipping), translated into JSON Schema 2020-12
+the way the Kubernetes API server reads a structural schema (`k8s_schema` below):
 
 - an object's fields not in `properties` are unknown: the API server drops them, and kubectl's
   default `--validate=strict` refuses them, so they fail here (`additionalProperties: false`)
@@ -35,7 +35,6 @@ import importlib.resources
 import io
 import json
 import math
-import os
 import posixpath
 import re
 import shlex
@@ -59,8 +58,8 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy" / "kuberay"
-# KubeRay's CRD files, as released (deploy/kuberay/CRDS.md says where from).
-CRDS = Path(os.environ.get("RELAY_KUBERAY_CRDS") or DEPLOY / "crds")
+# KubeRay's CRD files, vendored byte for byte as released (deploy/kuberay/CRDS.md).
+CRDS = DEPLOY / "crds"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
@@ -79,18 +78,13 @@ CRD_SHA256 = {
 }
 
 
-def _crds_missing() -> str | None:
-    """Why the CRD schemas cannot be checked here (absent, or another release's), or None."""
+def test_crds_are_kuberays_release():
+    """The vendored files are the release's (sha256 as in deploy/kuberay/CRDS.md), so the tests
+    below check the manifests against the schemas the operator's API server applies."""
     for kind, name in CRD_FILES.items():
-        path = CRDS / name
-        if not path.exists():
-            return f"KubeRay's CRDs are not at {CRDS} (deploy/kuberay/CRDS.md says how to get them)"
-        if hashlib.sha256(path.read_bytes()).hexdigest() != CRD_SHA256[kind]:
-            return f"{path} is not KubeRay {KUBERAY_VERSION}'s {name}"
-    return None
+        digest = hashlib.sha256((CRDS / name).read_bytes()).hexdigest()
+        assert digest == CRD_SHA256[kind], f"{name} is not KubeRay {KUBERAY_VERSION}'s"
 
-
-needs_crds = pytest.mark.skipif(bool(_crds_missing()), reason=str(_crds_missing()))
 
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
 CORE_DEFINITIONS = "https://kubernetes.io/api/_definitions.json"
@@ -314,7 +308,6 @@ def test_manifest_parses(path):
         assert {"apiVersion", "kind", "metadata"} <= set(doc), path.name
 
 
-@needs_crds
 @pytest.mark.parametrize("key", [k for k, d in manifests().items() if d["kind"] in CRD_FILES])
 def test_custom_resource_validates_against_crd(key):
     doc = manifests()[key]
@@ -376,7 +369,6 @@ SERVICE = "RayService/relay-digits"
 WORKERS = "spec.rayClusterSpec.workerGroupSpecs.0"
 
 
-@needs_crds
 @pytest.mark.parametrize(
     ("key", "mutate", "expected"),
     [
@@ -509,7 +501,6 @@ def test_openapi_quirks(schema, good, bad):
         assert list(validator.iter_errors(value)), value
 
 
-@needs_crds
 def test_every_cel_rule_is_translated():
     """A KubeRay update that adds CEL rules fails here, not only when a manifest uses them."""
 
