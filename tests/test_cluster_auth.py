@@ -6,11 +6,14 @@ Ray 2.60 turns token authentication on by itself only for a cluster `ray.init()`
 machine, and otherwise serves its job API (arbitrary code) to anyone who reaches it. The test
 runs the README's shell lines as written, in a home directory of its own (so it neither reads
 nor writes the user's ~/.ray), adding only the ports, temp dir and `--block` a test needs.
+The namespace-cluster demo (relay.netns_cluster) prints a client line that names a 0600 token
+file, never the token.
 """
 
 from __future__ import annotations
 
 import shlex
+import shutil
 import socket
 import stat
 import subprocess
@@ -23,7 +26,9 @@ from pathlib import Path
 import pytest
 from support import BIN, REPO, stop_session, subprocess_env
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+from relay.netns_cluster import NetnsCluster, client_auth_env
+
+pytestmark = pytest.mark.timeout(240)
 
 SECTION = "## Train on a Ray cluster with `ray job submit`"
 
@@ -136,6 +141,7 @@ def readme_head():
         log.close()
 
 
+@pytest.mark.slow  # a `ray start --head` of its own
 def test_readme_head_refuses_a_client_without_the_token(readme_head):
     address, _, home = readme_head
     assert get_jobs(address, token=None) == 401  # no token: unauthenticated
@@ -144,12 +150,14 @@ def test_readme_head_refuses_a_client_without_the_token(readme_head):
     assert get_jobs(address, token=token) == 200
 
 
+@pytest.mark.slow  # a `ray start --head` of its own
 def test_readme_token_is_private_to_its_user(readme_head):
     _, _, home = readme_head
     mode = stat.S_IMODE((home / ".ray" / "auth_token").stat().st_mode)
     assert mode & 0o077 == 0, f"~/.ray/auth_token is {oct(mode)}: others may read the token"
 
 
+@pytest.mark.slow  # a `ray start --head` of its own
 def test_readme_job_cli_presents_the_token(readme_head):
     """`ray job submit` / `ray job list` in the README's shell reach the head (the fixture's
     probe), and the job CLI from a shell without the token is refused, naming authentication."""
@@ -163,3 +171,22 @@ def test_readme_job_cli_presents_the_token(readme_head):
     )  # fmt: skip
     assert refused.returncode != 0
     assert "auth" in (refused.stdout + refused.stderr).lower(), refused.stderr[-2000:]
+
+
+def test_netns_demo_prints_no_token(tmp_path):
+    """The demo's printed `ray job submit` / `ray list nodes` lines carry the token's path, not
+    the token (they land in scrollback and logs); the file is the owner's alone."""
+    cluster = NetnsCluster(1, storage=tmp_path)  # nothing started: no namespace, no Ray
+    try:
+        words = client_auth_env(cluster)
+        token = cluster.env["RAY_AUTH_TOKEN"]
+        assert token not in words
+        env = dict(word.split("=", 1) for word in shlex.split(words))
+        assert env["RAY_AUTH_MODE"] == "token"
+        path = Path(env["RAY_AUTH_TOKEN_PATH"])
+        assert path.read_text() == token
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        assert path.parent == cluster.temp_root  # removed with the cluster by stop()
+    finally:
+        shutil.rmtree(cluster.temp_root, ignore_errors=True)

@@ -496,6 +496,22 @@ def _parse_filter(text: str) -> tuple[str, str, str]:
 # --- the recipe: python -m relay.netns_cluster ---------------------------------------------------
 
 
+def client_auth_env(cluster: NetnsCluster) -> str:
+    """The `VAR=value ` words a client shell needs for `cluster`'s token, naming a file that
+    holds it and never the token itself: the printed lines end up in terminal scrollback, logs
+    and CI output, where a token would let anyone who reads them run code on the cluster. The
+    file (0600, in the cluster's own 0700 temp dir) goes with the cluster in `stop()`. A client
+    needs the mode as well: with a token alone it stays in Ray's default mode (disabled)."""
+    token = cluster.env.get("RAY_AUTH_TOKEN")
+    if token is None:
+        return ""
+    path = cluster.temp_root / "auth_token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(token)
+    return f"RAY_AUTH_MODE={cluster.env['RAY_AUTH_MODE']} RAY_AUTH_TOKEN_PATH={path} "
+
+
 def _stop_on_sigterm(signum, frame):
     raise KeyboardInterrupt  # the same cleanup as Ctrl-C
 
@@ -534,12 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster.start()
         head = cluster.head
-        # A client needs both: with the token alone it stays in the default mode (disabled).
-        env = "".join(
-            f"{k}={cluster.env[k]} "
-            for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
-            if k in cluster.env
-        )
+        env = client_auth_env(cluster)
         submit = (
             f"ip netns exec {head.netns} env {env}{BIN / 'ray'} job submit "
             f"--address={cluster.dashboard_address} --working-dir . -- "
