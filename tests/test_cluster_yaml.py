@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import re
 import socket
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -106,6 +107,74 @@ def test_dashboard_stays_on_loopback(raw):
     assert "--dashboard-host=127.0.0.1" in head_start
     assert "0.0.0.0" not in head_start
     assert "--address=$RAY_HEAD_IP:6379" in " ".join(raw["worker_start_ray_commands"])
+
+
+def node_env(config: dict, home: Path) -> dict[str, str]:
+    """The environment a node's `ray start` gets: the setup commands that write ~/.relay_env run
+    for real (in `home`), then a shell sources it as the start commands do."""
+    writers = [cmd for cmd in config["setup_commands"] if "> ~/.relay_env" in cmd]
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin"}
+    for cmd in writers:
+        subprocess.run(["bash", "-c", cmd], env=env, check=True, timeout=30)
+    sourced = subprocess.run(
+        ["bash", "-c", ". ~/.relay_env && env -0"],
+        env=env, capture_output=True, check=True, timeout=30,
+    )  # fmt: skip
+    pairs = [item.split(b"=", 1) for item in sourced.stdout.split(b"\0") if b"=" in item]
+    return {key.decode(): value.decode() for key, value in pairs}
+
+
+TOKEN_PATH = "~/.ray/auth_token"  # Ray's default token path (RAY-NOTES: token authentication)
+
+
+def auth_problems(config: dict, home: Path) -> list[str]:
+    """Why a node of this cluster could start without token authentication, one line each."""
+    problems = []
+    env = node_env(config, home)
+    if env.get("RAY_AUTH_MODE") != "token":
+        problems.append(f"~/.relay_env sets RAY_AUTH_MODE={env.get('RAY_AUTH_MODE')!r}")
+    if env.get("RAY_USAGE_STATS_ENABLED") != "0":
+        problems.append("~/.relay_env leaves Ray's usage stats on")
+    if config["file_mounts"].get(TOKEN_PATH) != TOKEN_PATH:
+        problems.append(f"file_mounts does not copy {TOKEN_PATH} to the nodes")
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        for cmd in config[key]:
+            if "ray start" in cmd and cmd.find(". ~/.relay_env") > cmd.find("ray start"):
+                problems.append(f"{key}: ray start runs before ~/.relay_env is sourced")
+    return problems
+
+
+def test_every_node_starts_with_token_auth(raw, tmp_path):
+    assert auth_problems(raw, tmp_path) == []
+
+
+def _relay_env_without(name: str):
+    def mutate(config: dict) -> None:
+        config["setup_commands"] = [
+            re.sub(rf"\s{name}=\S+", "", cmd) for cmd in config["setup_commands"]
+        ]
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        pytest.param(_relay_env_without("RAY_AUTH_MODE"), "RAY_AUTH_MODE=None", id="no-mode"),
+        pytest.param(_relay_env_without("RAY_USAGE_STATS_ENABLED"), "usage", id="usage-stats"),
+        pytest.param(lambda c: c["file_mounts"].pop(TOKEN_PATH), "does not copy", id="no-token"),
+        pytest.param(
+            lambda c: c.update(head_start_ray_commands=["ray start --head; . ~/.relay_env"]),
+            "before ~/.relay_env",
+            id="env-after-start",
+        ),
+    ],
+)
+def test_auth_check_bites(raw, tmp_path, mutate, expected):
+    broken = copy.deepcopy(raw)
+    mutate(broken)
+    problems = auth_problems(broken, tmp_path)
+    assert any(expected in line for line in problems), problems
 
 
 @pytest.mark.parametrize(
