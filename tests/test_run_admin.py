@@ -140,3 +140,93 @@ def test_gc_frees_the_checkpoints_of_runs_nobody_needs_and_keeps_their_records(
     # keep-best 0: the best run goes too; the served one never does.
     relay(capsys, "runs", "gc", "--keep-best", "0", "--storage", str(storage))
     assert checkpoints() == {"served", "live"}
+
+
+# --- deletion stays inside the storage it was asked about ---------------------------------------
+
+
+def runs_and_checkpoints(storage: Path) -> set[str]:
+    """Every file under runs/, relative to the storage root (what a deletion would lose)."""
+    return {str(p.relative_to(storage)) for p in storage.glob("runs/**/*") if p.is_file()}
+
+
+def copy_of(storage: Path, copy: Path) -> Path:
+    """A copy of a storage root: every run.json in it still names the original's run_dir and
+    checkpoint, as a `cp -r` or a restored backup leaves them."""
+    import shutil
+
+    shutil.copytree(storage, copy)
+    assert registry.read(registry.runs_root(copy) / "a-run")["run_dir"].startswith(str(storage))
+    return copy
+
+
+def test_rm_in_a_copied_storage_deletes_only_the_copys_runs(storage, tmp_path, capsys):
+    copy = copy_of(storage, tmp_path.parent / f"{tmp_path.name}-copy")
+    original = runs_and_checkpoints(storage)
+    code, _, err = relay(capsys, "runs", "rm", "a-run", "b-run", "--storage", str(copy))
+    assert (code, err) == (0, ""), err
+    assert runs_and_checkpoints(storage) == original  # the original lost nothing
+    assert not (copy / "runs/a-run").exists() and not (copy / "runs/b-run").exists()
+    # The copy's served run is still protected: its version names it by run id.
+    code, _, err = relay(capsys, "runs", "rm", "served", "--storage", str(copy))
+    assert code == 2 and "digits:1" in err
+
+
+def test_gc_in_a_copied_storage_deletes_only_the_copys_checkpoints(storage, tmp_path, capsys):
+    copy = copy_of(storage, tmp_path.parent / f"{tmp_path.name}-copy")
+    original = runs_and_checkpoints(storage)
+    code, out, err = relay(capsys, "runs", "gc", "--keep-best", "0", "--json",
+                           "--storage", str(copy))  # fmt: skip
+    assert (code, err) == (0, ""), err
+    assert runs_and_checkpoints(storage) == original  # the original lost nothing
+    planned = json.loads(out)["runs"]
+    assert {r["run_id"] for r in planned} == {"a-run", "b-run"}
+    assert all(r["run_dir"].startswith(str(copy)) for r in planned)  # where they lie now
+    assert not list(copy.glob("runs/[ab]-run/epoch_0001"))
+    assert (copy / "runs/served/epoch_0001").is_dir()
+
+
+@pytest.mark.parametrize(
+    "ref", ["../../{name}", "{path}", "", "a-run\n", "a-run/..", "runs/../a-run", "."]
+)
+def test_rm_refuses_a_run_id_that_is_not_one_directory_name(storage, tmp_path, capsys, ref):
+    # A directory beside the storage that a joined "../../victim" (or its absolute path) reaches.
+    victim = tmp_path.parent / f"{tmp_path.name}-victim"
+    victim.mkdir()
+    (victim / RECORD_NAME).write_text(json.dumps({"run_id": "victim", "run_dir": str(victim)}))
+    ref = ref.format(name=victim.name, path=victim)
+    before = runs_and_checkpoints(storage)
+    code, out, err = relay(capsys, "runs", "rm", ref, "--force", "--storage", str(storage))
+    assert (code, out) == (2, "") and "invalid run id" in err, err
+    assert (victim / RECORD_NAME).exists() and runs_and_checkpoints(storage) == before
+
+
+RECORD_NAME = registry.RECORD
+
+
+def test_a_record_that_names_another_run_is_not_deleted_as_that_run(storage, capsys):
+    # runs/a-run/run.json claims to be b-run: neither rm nor gc takes it at its word.
+    record = registry.read(storage / "runs/a-run")
+    registry.write(storage / "runs/a-run", {**record, "run_id": "b-run"})
+    code, _, err = relay(capsys, "runs", "rm", "a-run", "--storage", str(storage))
+    assert code == 2 and "names run 'b-run'" in err, err
+    assert (storage / "runs/a-run/epoch_0001").is_dir()
+    relay(capsys, "runs", "gc", "--keep-best", "0", "--storage", str(storage))
+    assert (storage / "runs/a-run/epoch_0001").is_dir()
+    assert not (storage / "runs/b-run/epoch_0001").exists()  # b-run's own record: collected
+
+
+def test_deletion_never_follows_a_symlink_out_of_runs(storage, tmp_path, capsys):
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    (outside / "epoch_0001").mkdir(parents=True)
+    (outside / "epoch_0001" / "meta.json").write_text("{}")
+    # A run directory that is a link to elsewhere, and a checkpoint that is one.
+    record = registry.read(storage / "runs/a-run")
+    (storage / "runs/linked").symlink_to(outside, target_is_directory=True)
+    registry.write(outside, {**record, "run_id": "linked", "run_dir": str(outside)})
+    (storage / "runs/b-run/epoch_0002").symlink_to(outside / "epoch_0001")
+    code, _, err = relay(capsys, "runs", "rm", "linked", "--force", "--storage", str(storage))
+    assert code == 2 and "outside" in err, err
+    relay(capsys, "runs", "gc", "--keep-best", "0", "--storage", str(storage))
+    assert (outside / "epoch_0001" / "meta.json").exists() and (outside / "run.json").exists()
+    assert not (storage / "runs/b-run/epoch_0001").exists()  # b-run's real checkpoint went

@@ -441,7 +441,7 @@ def _runs_rm(storage: Path, args: argparse.Namespace) -> int:
         records = run_admin.plan_removal(storage, args.run_ids, force=args.force)
     except (KeyError, run_admin.Refused) as exc:  # nothing was deleted
         return _fail(f"runs rm: {exc.args[0]}", EXIT_USAGE)
-    run_admin.remove(records)
+    run_admin.remove(storage, records)
     removed = [r["run_id"] for r in records]
     print(json.dumps({"removed": removed}) if args.json else f"removed {', '.join(removed)}")
     return 0
@@ -456,10 +456,10 @@ def _runs_gc(storage: Path, args: argparse.Namespace) -> int:
         )
     try:
         plan = run_admin.plan_collection(storage, args.keep_best)
+        if not args.dry_run:
+            run_admin.collect(storage, plan)  # Refused (a ValueError): nothing deleted
     except ValueError as exc:
         return _fail(f"runs gc: {exc}", EXIT_USAGE)
-    if not args.dry_run:
-        run_admin.collect(storage, plan)
     freed = sum(entry["bytes"] for entry in plan)
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, "runs": plan, "bytes": freed}))
@@ -559,11 +559,14 @@ def _cmd_models(args: argparse.Namespace) -> int:
         return _fail("--rm: only with `models alias`", EXIT_USAGE)
     if len(args.words) > 1:
         return _fail(f"models: unknown verb {verb!r} (show, alias)", EXIT_USAGE)
-    versions = registry.list_versions(storage, verb)
-    by_model: dict[str, list[dict[str, Any]]] = {}
-    for version in versions:
-        by_model.setdefault(version["model"], []).append(version)
-    aliases = {name: registry.aliases_of(storage, name, e) for name, e in by_model.items()}
+    try:
+        versions = registry.list_versions(storage, verb)
+        by_model: dict[str, list[dict[str, Any]]] = {}
+        for version in versions:
+            by_model.setdefault(version["model"], []).append(version)
+        aliases = {name: registry.aliases_of(storage, name, e) for name, e in by_model.items()}
+    except (KeyError, ValueError) as exc:  # a bad model name, or a damaged aliases.json
+        return _fail(f"models: {exc.args[0]}", EXIT_USAGE)
     if args.json:
         print(
             json.dumps(
@@ -603,8 +606,8 @@ def _models_alias(storage: Path, words: list[str], args: argparse.Namespace) -> 
     name, _, number = target.partition(":")
     if args.rm == bool(number) or (number and not number.isdigit()):
         return _fail(usage, EXIT_USAGE)
-    before = registry.read_aliases(storage, name).get(alias)
     try:
+        before = registry.read_aliases(storage, name).get(alias)
         aliases = registry.set_alias(storage, name, None if args.rm else int(number), alias)
     except (KeyError, ValueError) as exc:
         return _fail(f"models alias: {exc.args[0]}", EXIT_USAGE)

@@ -9,6 +9,11 @@ Collection (`gc`) frees the space checkpoints take and keeps every record: of th
 ended, per task and metric, the `keep_best` best keep their checkpoints, and so does every run
 a model version points at; the others lose their checkpoint directories, and their run.json
 says when (`collected`). Such a run can be shown and compared, not resumed.
+
+Deletion only ever touches `<storage>/runs/<run id>` (and checkpoint directories in it),
+computed from a checked run id — never a path a record names, so a copied storage root never
+deletes the original's runs — and only once the resolved path is inside the resolved runs/
+and no link: a link out of runs/ is refused, not followed.
 """
 
 from __future__ import annotations
@@ -26,27 +31,60 @@ class Refused(ValueError):
     """A removal that would lose something; the message says what and how to force it."""
 
 
-def versions_using(storage: Path, run_dir: Path) -> list[str]:
-    """The model versions ("digits:3") whose checkpoint lies in `run_dir`."""
-    run_dir = Path(run_dir).resolve()
+def deletable_run_dir(storage: Path, run_id: str) -> Path:
+    """`<storage>/runs/<run_id>`, checked safe to delete: `run_id` one name, and the directory
+    itself inside runs/ (not a link: rmtree would follow none, but neither does relay)."""
+    root = registry.runs_root(storage).resolve()
+    path = root / registry.check_run_id(run_id)
+    if path.is_symlink() or not path.resolve().is_relative_to(root) or path.resolve() == root:
+        raise Refused(f"run {run_id}: {path} leads outside {root}; refused, nothing deleted")
+    return path
+
+
+def _deletable_checkpoint(run_dir: Path, name: str) -> Path:
+    """A checkpoint directory `name` of the run at `run_dir` (as `deletable_run_dir` gave)."""
+    path = run_dir / name
+    if (
+        Path(name).name != name
+        or name in ("", ".", "..")
+        or path.is_symlink()
+        or path.resolve().parent != run_dir.resolve()
+    ):
+        raise Refused(f"{path} is not a checkpoint directory of {run_dir}; refused")
+    return path
+
+
+def versions_using(
+    storage: Path, run_id: str, versions: list[dict[str, Any]] | None = None
+) -> list[str]:
+    """The model versions ("digits:3") made from run `run_id`: by the run id they record, or a
+    checkpoint in the run's directory (so a version of a copied storage's is found either way).
+    `versions`: every version, where the caller has them already."""
+    run_dir = registry.run_dir(storage, run_id).resolve()
     return [
         f"{v['model']}:{v['version']}"
-        for v in registry.list_versions(storage)
-        if run_dir in Path(v["checkpoint"]).resolve().parents
+        for v in (registry.list_versions(storage) if versions is None else versions)
+        if v.get("run_id") == run_id
+        or (isinstance(v.get("checkpoint"), str) and _in_dir(Path(v["checkpoint"]), run_dir))
     ]
+
+
+def _in_dir(path: Path, directory: Path) -> bool:
+    return directory in path.resolve().parents
 
 
 def plan_removal(storage: Path, refs: list[str], *, force: bool = False) -> list[dict[str, Any]]:
     """The records of the runs `refs` names (ids or unique prefixes), each checked removable;
-    raises KeyError (no such run) or Refused before anything is deleted."""
+    raises KeyError (no such run, not a run id) or Refused before anything is deleted."""
     records: dict[str, dict[str, Any]] = {}
     for ref in refs:
-        record = registry.get_run(storage, ref)
+        record = registry.get_run(storage, ref)  # only a record of its own directory's
+        deletable_run_dir(storage, record["run_id"])
         records[record["run_id"]] = record
     if force:
         return list(records.values())
     for record in records.values():
-        used = versions_using(storage, Path(record["run_dir"]))
+        used = versions_using(storage, record["run_id"])
         if used:
             raise Refused(
                 f"run {record['run_id']} holds the checkpoint of model version "
@@ -60,9 +98,10 @@ def plan_removal(storage: Path, refs: list[str], *, force: bool = False) -> list
     return list(records.values())
 
 
-def remove(records: list[dict[str, Any]]) -> None:
-    for record in records:
-        shutil.rmtree(record["run_dir"])
+def remove(storage: Path, records: list[dict[str, Any]]) -> None:
+    """Delete the runs `plan_removal` gave: each `<storage>/runs/<run id>`, checked again."""
+    for path in [deletable_run_dir(storage, record["run_id"]) for record in records]:
+        shutil.rmtree(path)
 
 
 ENDED = ("finished", "failed", "stopped")
@@ -71,7 +110,11 @@ ENDED = ("finished", "failed", "stopped")
 def _checkpoint_dirs(run_dir: Path) -> list[Path]:
     from relay.checkpoint import META
 
-    return sorted(p for p in Path(run_dir).iterdir() if p.is_dir() and (p / META).exists())
+    return sorted(
+        p
+        for p in Path(run_dir).iterdir()
+        if p.is_dir() and not p.is_symlink() and (p / META).exists()
+    )
 
 
 def _size(path: Path) -> int:
@@ -84,7 +127,7 @@ def plan_collection(storage: Path, keep_best: int) -> list[dict[str, Any]]:
     and metric, or one a model version points at."""
     if keep_best < 0:
         raise ValueError(f"--keep-best: {keep_best} is not a count of runs to keep")
-    served = {Path(v["checkpoint"]).resolve().parent for v in registry.list_versions(storage)}
+    versions = registry.list_versions(storage)
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for record in registry.list_runs(storage):
         if record.get("status") in ENDED and not record.get("collected"):
@@ -100,8 +143,11 @@ def plan_collection(storage: Path, keep_best: int) -> list[dict[str, Any]]:
 
         ranked = sorted(records, key=score, reverse=True)  # best first
         for record in reversed(ranked[keep_best:]):
-            run_dir = Path(record["run_dir"])
-            if run_dir.resolve() in served or not run_dir.is_dir():
+            try:
+                run_dir = deletable_run_dir(storage, record["run_id"])
+            except Refused:  # a link out of runs/: not relay's to collect
+                continue
+            if versions_using(storage, record["run_id"], versions) or not run_dir.is_dir():
                 continue
             checkpoints = _checkpoint_dirs(run_dir)
             if checkpoints:
@@ -117,10 +163,11 @@ def plan_collection(storage: Path, keep_best: int) -> list[dict[str, Any]]:
 
 
 def collect(storage: Path, plan: list[dict[str, Any]]) -> None:
-    """Delete the planned checkpoints; each run's record then says they are gone."""
-    for entry in plan:
-        run_dir = Path(entry["run_dir"])
-        record = registry.read(run_dir) or {}
+    """Delete the planned checkpoints; each run's record then says they are gone. Every
+    entry is checked (its run's directory and record, its checkpoints' names) before the
+    first deletion: Refused deletes nothing."""
+    checked = [(entry, _collectable(storage, entry)) for entry in plan]
+    for entry, (run_dir, record, checkpoints) in checked:
         registry.write(
             run_dir,
             {
@@ -131,8 +178,18 @@ def collect(storage: Path, plan: list[dict[str, Any]]) -> None:
                 },
             },
         )
-        for name in entry["checkpoints"]:
-            shutil.rmtree(run_dir / name, ignore_errors=True)
+        for path in checkpoints:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _collectable(storage: Path, entry: dict[str, Any]) -> tuple[Path, dict[str, Any], list[Path]]:
+    """A planned entry's run directory (from its run id, never its `run_dir`), record and
+    checkpoint directories, each checked to be that run's."""
+    run_dir = deletable_run_dir(storage, entry["run_id"])
+    record = registry.read(run_dir) or {}
+    if record.get("run_id") != entry["run_id"]:
+        raise Refused(f"{run_dir}: its record is not run {entry['run_id']}'s; refused")
+    return run_dir, record, [_deletable_checkpoint(run_dir, n) for n in entry["checkpoints"]]
 
 
 def collected_reason(record: dict[str, Any]) -> str | None:

@@ -199,7 +199,7 @@ def fit(
     resuming = run_id is not None
     run_id = run_id or new_run_id(cfg.name)
     run_dir = registry.runs_root(cfg.storage_path()) / run_id
-    run_dir.mkdir(parents=True, exist_ok=resuming)
+    registry.make_dir(run_dir, exist_ok=resuming)  # 0700 (see registry: shared storage)
     record = {
         "run_id": run_id,
         "task": cfg.task,
