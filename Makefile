@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test lint format bench clean cluster-demo
+.PHONY: venv demo test test-fast lint format bench clean cluster-demo
 
 venv: $(VENV)/.installed
 
@@ -23,8 +23,14 @@ demo: venv
 cluster-demo: venv
 	$(BIN)/python -m relay.netns_cluster --hosts 2
 
+# Every tier (what CI runs); the 30 slowest tests and the total are printed at the end.
 test: venv
-	$(BIN)/python -m pytest tests --durations=50
+	$(BIN)/python -m pytest tests --durations=30
+
+# The inner loop: pure tests and the shared cluster's quick checks (tests/conftest.py keeps
+# anything that starts a cluster of its own in the slow tier).
+test-fast: venv
+	$(BIN)/python -m pytest tests -m "not slow" --durations=15
 
 lint: venv
 	$(BIN)/ruff check .

@@ -22,7 +22,7 @@ from relay import history
 from relay.config import from_dict
 from relay.tasks import build_task
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 @pytest.fixture

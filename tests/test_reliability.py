@@ -309,11 +309,11 @@ CORRUPTIONS = {
 }
 
 
-def _relay(*args: str, storage: Path) -> subprocess.Popen:
+def _relay(*args: str, storage: Path, **env: str) -> subprocess.Popen:
     return subprocess.Popen(
         [str(BIN / "relay"), *args],
         cwd=REPO,
-        env=subprocess_env(RELAY_HOME=str(storage)),
+        env=subprocess_env(RELAY_HOME=str(storage), **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -345,30 +345,38 @@ def test_damaged_checkpoints_fail_in_one_line(ray_cluster, tmp_path):
         run.last_checkpoint,
         str(checkpoint.latest_registered(run.run_dir)[0]),
     }
+    # Each command with the exit code the README documents for a damaged checkpoint.
     commands = {
-        "serve": ["serve", run.run_id, "--port", str(free_port())],
-        "train --resume": ["train", str(config_file), "--resume", run.run_id],
-        "runs show": ["runs", "show", run.run_id],
+        "serve": (["serve", run.run_id, "--port", str(free_port())], 2),
+        "train --resume": (["train", str(config_file), "--resume", run.run_id], 2),
+        "runs show": (["runs", "show", run.run_id], 1),
     }
+    # Each command would start a local Ray cluster of its own here (RAY_ADDRESS=local); its
+    # session files would appear under RAY_TMPDIR. None may: the checks come first.
+    ray_tmp = tmp_path / "ray-tmp"
     handled = []
     for case, (name, damage) in CORRUPTIONS.items():
         saved = {d: (Path(d) / name).read_bytes() for d in checkpoints}
         for directory in checkpoints:
             damage(Path(directory) / name)
         try:
-            procs = {what: _relay(*args, storage=storage) for what, args in commands.items()}
-            for what, proc in procs.items():
+            procs = {
+                what: (_relay(*args, storage=storage, RAY_TMPDIR=str(ray_tmp)), expected)
+                for what, (args, expected) in commands.items()
+            }
+            for what, (proc, expected) in procs.items():
                 code, _, err = _finish(proc, timeout=60)
                 lines = err.strip().splitlines()
-                assert code != 0, (case, what, err)
+                assert code == expected, (case, what, err)
                 assert "Traceback" not in err, (case, what, err)
                 assert len(lines) == 1 and name in lines[0], (case, what, err)
                 handled.append((case, what, code, lines[0]))
         finally:
             for directory, content in saved.items():
                 (Path(directory) / name).write_bytes(content)
-        # A refused resume leaves the run as it was.
+        # A refused resume leaves the run as it was, and no command started Ray.
         assert registry.read(Path(run.run_dir)) == record_before
+        assert not ray_tmp.exists(), sorted(p.name for p in ray_tmp.rglob("*"))[:10]
 
     # Repaired, the same commands find nothing wrong: the checks tell damage from health.
     code, out, err = _finish(_relay("runs", "show", run.run_id, storage=storage), timeout=60)

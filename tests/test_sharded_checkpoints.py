@@ -15,7 +15,7 @@ import relay
 from relay import checkpoint, registry
 from relay.config import from_dict
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _config(epochs: int, workers: int, strategy: str):

@@ -23,7 +23,7 @@ from relay import report as report_page
 from relay.config import SweepConfig, from_dict
 from relay.tasks import build_task
 
-pytestmark = pytest.mark.timeout(480)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 
 EPOCHS = 3
