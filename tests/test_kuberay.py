@@ -86,7 +86,8 @@ def test_crds_are_kuberays_release():
         assert digest == CRD_SHA256[kind], f"{name} is not KubeRay {KUBERAY_VERSION}'s"
 
 
-MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
+# The opt-in debug variant (SYS_PTRACE for the hang doctor) is checked as the others are.
+MANIFESTS = sorted(DEPLOY.glob("*.yaml")) + sorted((DEPLOY / "debug").glob("*.yaml"))
 CORE_DEFINITIONS = "https://kubernetes.io/api/_definitions.json"
 OBJECT_META = f"{CORE_DEFINITIONS}#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
 POD_TEMPLATE_SPEC = f"{CORE_DEFINITIONS}#/$defs/io.k8s.api.core.v1.PodTemplateSpec"
@@ -295,9 +296,9 @@ def cluster_spec(doc: dict[str, Any]) -> dict[str, Any]:
 
 def test_manifests_present():
     kinds = sorted(doc["kind"] for doc in manifests().values())
-    assert kinds == ["PersistentVolumeClaim", "RayJob", "RayJob", "RayService"], kinds
+    assert kinds == ["PersistentVolumeClaim", "RayJob", "RayJob", "RayJob", "RayService"], kinds
     entrypoints = [doc["spec"]["entrypoint"].split()[:2] for doc in of_kind("RayJob")]
-    assert sorted(entrypoints) == [["relay", "train"], ["relay", "tune"]]
+    assert sorted(entrypoints) == [["relay", "train"], ["relay", "train"], ["relay", "tune"]]
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
@@ -606,7 +607,7 @@ def test_ray_pods_run_relay_with_storage(key):
     for group, template in pod_templates(doc).items():
         spec = template["spec"]
         container = spec["containers"][0]  # KubeRay's Ray container is the first
-        assert container["image"] == "relay:latest", group
+        assert re.search(r"/relay(-debug)?@sha256:", container["image"]), group  # relay's image
         claims = {
             v["name"]: v["persistentVolumeClaim"]["claimName"]
             for v in spec.get("volumes", [])
@@ -620,12 +621,194 @@ def test_ray_pods_run_relay_with_storage(key):
         assert on_pvc and env.get("RELAY_HOME") == on_pvc[0], f"{group}: RELAY_HOME not the PVC"
         # The image runs as uid 1000: the volume must be writable by its group.
         assert spec.get("securityContext", {}).get("fsGroup") == 1000, group
-        security = container.get("securityContext", {})
-        # relay's hang doctor: py-spy (file capability cap_sys_ptrace+ep in the image) can only
-        # be executed where the pod's bounding set has SYS_PTRACE, and no_new_privs
-        # (allowPrivilegeEscalation: false) would keep the capability from it.
-        assert "SYS_PTRACE" in security.get("capabilities", {}).get("add", []), group
-        assert security.get("allowPrivilegeEscalation", True), group
+
+
+# --- pods and images locked down (issue 37) ---------------------------------------------------
+
+# An image reference pinned by digest: [registry/]repository@sha256:<64 hex>, no tag.
+DIGEST_PINNED = re.compile(r"^[a-z0-9][a-z0-9._:/-]*@sha256:[0-9a-f]{64}$")
+DEBUG = "RayJob/relay-train-digits-debug"
+
+
+def is_debug(doc: dict[str, Any]) -> bool:
+    return doc["metadata"]["name"].endswith("-debug")
+
+
+def all_pod_templates(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The Ray pod templates and a RayJob's submitter pod template, by group."""
+    templates = dict(pod_templates(doc))
+    if "submitterPodTemplate" in doc["spec"]:
+        templates["submitter"] = doc["spec"]["submitterPodTemplate"]
+    return templates
+
+
+def container_problems(group: str, container: dict[str, Any], ptrace: bool) -> list[str]:
+    """Pod Security "restricted" for one container; `ptrace`: the debug variant's exception
+    (SYS_PTRACE, and escalation so that py-spy's file capability takes effect)."""
+    problems = []
+    where = f"{group}/{container['name']}"
+    security = container.get("securityContext", {})
+    capabilities = security.get("capabilities", {})
+    if capabilities.get("drop") != ["ALL"]:
+        problems.append(f"{where}: capabilities.drop is {capabilities.get('drop')}, not [ALL]")
+    added = capabilities.get("add", [])
+    if added != (["SYS_PTRACE"] if ptrace else []):
+        problems.append(f"{where}: capabilities.add {added}")
+    if security.get("allowPrivilegeEscalation", True) is not ptrace:
+        problems.append(f"{where}: allowPrivilegeEscalation is not {str(ptrace).lower()}")
+    if security.get("readOnlyRootFilesystem") is not True:
+        problems.append(f"{where}: the root filesystem is writable")
+    if not DIGEST_PINNED.match(container.get("image", "")):
+        problems.append(f"{where}: image {container.get('image')!r} is not pinned by digest")
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    if env.get("RAY_USAGE_STATS_ENABLED") != "0":
+        problems.append(f"{where}: Ray's usage stats are not off")
+    return problems
+
+
+def hardening_problems(doc: dict[str, Any]) -> list[str]:
+    """Where a manifest's pods are not locked down, one line each. Only the debug variant's Ray
+    containers may hold SYS_PTRACE."""
+    problems = []
+    if cluster_spec(doc).get("authOptions", {}).get("mode") != "token":
+        problems.append("authOptions.mode is not token")
+    for group, template in all_pod_templates(doc).items():
+        spec = template["spec"]
+        pod = spec.get("securityContext", {})
+        if pod.get("runAsNonRoot") is not True or pod.get("runAsUser") in (None, 0):
+            problems.append(f"{group}: the pod does not run as a non-root uid")
+        if pod.get("seccompProfile", {}).get("type") != "RuntimeDefault":
+            problems.append(f"{group}: seccompProfile is not RuntimeDefault")
+        empty_dirs = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}
+        for container in spec["containers"]:
+            ptrace = is_debug(doc) and group != "submitter"
+            problems += container_problems(group, container, ptrace)
+            tmp = [m for m in container.get("volumeMounts", []) if m["mountPath"] == "/tmp"]
+            if not tmp or tmp[0]["name"] not in empty_dirs:
+                problems.append(f"{group}: /tmp (Ray's temp dir) is not an emptyDir")
+    return problems
+
+
+@pytest.mark.parametrize("key", [k for k, d in manifests().items() if d["kind"] in CRD_FILES])
+def test_pods_are_locked_down(key):
+    assert hardening_problems(manifests()[key]) == []
+
+
+def test_one_image_everywhere():
+    """One digest for every pod of the default manifests (replace it in one go, README), and
+    the debug variant's Ray pods on the image's debug target."""
+    images = {
+        container["image"]
+        for doc in manifests().values()
+        if doc["kind"] in CRD_FILES and not is_debug(doc)
+        for template in all_pod_templates(doc).values()
+        for container in template["spec"]["containers"]
+    }
+    assert len(images) == 1, images
+    debug = manifests()[DEBUG]
+    debug_images = {t["spec"]["containers"][0]["image"] for t in pod_templates(debug).values()}
+    assert len(debug_images) == 1 and debug_images != images, debug_images
+
+
+def test_debug_variant_is_train_plus_ptrace():
+    """The debug variant differs from rayjob-train.yaml only in its name, the Ray containers'
+    image and their securityContext: it cannot drift from the manifest it stands in for."""
+    train, debug = manifests()[TRAIN], copy.deepcopy(manifests()[DEBUG])
+    debug["metadata"]["name"] = train["metadata"]["name"]
+    for group, template in pod_templates(debug).items():
+        container = template["spec"]["containers"][0]
+        original = pod_templates(train)[group]["spec"]["containers"][0]
+        container["image"] = original["image"]
+        container["securityContext"] = original["securityContext"]
+    assert debug == train
+
+
+@pytest.mark.parametrize(
+    ("key", "mutate", "expected"),
+    [
+        pytest.param(
+            TRAIN,
+            _drop(f"{WORKERS}.template.spec.securityContext.runAsNonRoot"),
+            "non-root",
+            id="root",
+        ),
+        pytest.param(
+            TRAIN,
+            _set(f"{WORKERS}.template.spec.securityContext.seccompProfile.type", "Unconfined"),
+            "seccompProfile",
+            id="seccomp",
+        ),
+        pytest.param(
+            TRAIN,
+            _set(
+                f"{WORKERS}.template.spec.containers.0.securityContext.capabilities.add",
+                ["SYS_PTRACE"],
+            ),
+            "capabilities.add",
+            id="ptrace-by-default",
+        ),
+        pytest.param(
+            TRAIN,
+            _drop(f"{WORKERS}.template.spec.containers.0.securityContext.capabilities.drop"),
+            "not [ALL]",
+            id="capabilities",
+        ),
+        pytest.param(
+            TRAIN,
+            _set(
+                f"{WORKERS}.template.spec.containers.0.securityContext.readOnlyRootFilesystem",
+                False,
+            ),
+            "writable",
+            id="read-only-root",
+        ),
+        pytest.param(
+            TRAIN,
+            _drop(f"{WORKERS}.template.spec.containers.0.securityContext.allowPrivilegeEscalation"),
+            "allowPrivilegeEscalation",
+            id="escalation",
+        ),
+        pytest.param(
+            TRAIN,
+            _set(f"{WORKERS}.template.spec.containers.0.image", "relay:latest"),
+            "not pinned by digest",
+            id="tag",
+        ),
+        pytest.param(
+            TRAIN,
+            _drop("spec.submitterPodTemplate.spec.securityContext"),
+            "submitter: the pod does not run as a non-root uid",
+            id="submitter",
+        ),
+        pytest.param(
+            TRAIN,
+            _drop(f"{WORKERS}.template.spec.containers.0.env.1"),
+            "usage stats",
+            id="usage-stats",
+        ),
+        pytest.param(
+            TRAIN,
+            _drop(f"{WORKERS}.template.spec.containers.0.volumeMounts.1"),
+            "/tmp",
+            id="tmp",
+        ),
+        pytest.param(TRAIN, _drop("spec.rayClusterSpec.authOptions"), "token", id="auth"),
+        pytest.param(
+            DEBUG,
+            _set(
+                f"{WORKERS}.template.spec.containers.0.securityContext.allowPrivilegeEscalation",
+                False,
+            ),
+            "allowPrivilegeEscalation is not true",
+            id="debug-escalation",
+        ),
+    ],
+)
+def test_hardening_check_bites(key, mutate, expected):
+    broken = copy.deepcopy(manifests()[key])
+    mutate(broken)
+    problems = hardening_problems(broken)
+    assert any(expected in line for line in problems), problems
 
 
 CPU_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(m?)$")
