@@ -241,3 +241,20 @@ def resume_sweep(sweep_dir: Path, storage: Path, env: dict[str, str]) -> dict:
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     return {"stdout": resumed.stdout, **json.loads(resumed.stdout.strip().splitlines()[-1])}
+
+
+def wait_for_checkpoint(storage: Path, name: str, epoch: int) -> Path:
+    """The run dir of the (one) run named `name`, once Ray Train has registered its checkpoint
+    of `epoch`."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        for run_dir in (storage / "runs").glob(f"{name}-*"):
+            snapshot = run_dir / "checkpoint_manager_snapshot.json"  # Ray Train's record
+            try:
+                latest = json.loads(snapshot.read_text())["latest_checkpoint_result"]["metrics"]
+                if latest["epoch"] >= epoch:
+                    return run_dir
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint of epoch {epoch} of {name} in time")

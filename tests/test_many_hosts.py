@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import BIN, REPO
+from support import BIN, REPO, wait_for_checkpoint
 
 from relay import history, registry
 from relay.doctor import heartbeat
@@ -307,23 +307,6 @@ def test_serve_on_the_head_answers_from_a_replica_on_the_other_host(two_hosts, t
 # --- a host lost mid-run ------------------------------------------------------------------------
 
 
-def _wait_for_checkpoint(storage: Path, name: str, epoch: int) -> Path:
-    """The run dir of the (one) run named `name`, once Ray Train has registered its checkpoint
-    of `epoch`."""
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        for run_dir in (storage / "runs").glob(f"{name}-*"):
-            snapshot = run_dir / "checkpoint_manager_snapshot.json"  # Ray Train's record
-            try:
-                latest = json.loads(snapshot.read_text())["latest_checkpoint_result"]["metrics"]
-                if latest["epoch"] >= epoch:
-                    return run_dir
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
-        time.sleep(0.1)
-    raise AssertionError(f"no checkpoint of epoch {epoch} of {name} in time")
-
-
 # charlm at debug size on a 400 kB corpus: epochs long enough (seconds) that a fault injected
 # after epoch 2's checkpoint lands mid-run.
 CHARLM_RUN = ["jobs/configs/charlm.yaml", "--set", "size=debug",
@@ -368,7 +351,7 @@ def test_fixed_size_run_resumes_on_both_hosts_when_the_lost_host_comes_back(two_
     cluster, name = two_hosts, "hosts-return"
     old_node = _host_node_id(cluster, 1)
     submission_id = submit_charlm(cluster, name, "--set", "epochs=5")
-    run_dir = _wait_for_checkpoint(cluster.storage, name, 2)
+    run_dir = wait_for_checkpoint(cluster.storage, name, 2)
     lost_at, lost_wall = time.monotonic(), time.time()
     cluster.kill_host(1)
     try:
@@ -457,7 +440,7 @@ def test_partition_of_the_other_host_mid_run(two_hosts):
         cluster, name, "--set", "epochs=5",
         "--set", "failure.worker_wait_s=20", "--set", "failure.start_failures=2",
     )  # fmt: skip
-    run_dir = _wait_for_checkpoint(cluster.storage, name, 2)
+    run_dir = wait_for_checkpoint(cluster.storage, name, 2)
     port = ["ip", "-n", cluster.bridge_netns, "link", "set", f"{cluster.prefix}h1"]
     cut_at, cut_wall = time.monotonic(), time.time()
     seen: list[tuple[float, str, bool]] = []
@@ -472,12 +455,17 @@ def test_partition_of_the_other_host_mid_run(two_hosts):
     print(f"\n{name}: link down")
     subprocess.run([*port, "down"], check=True)
     try:
+        crossed_before = cluster.link_bytes(1)
         while time.monotonic() - cut_at < 30:
             observe()
             time.sleep(1)
+        crossed_during = cluster.link_bytes(1) - crossed_before
     finally:
         subprocess.run([*port, "up"], check=True)
     print(f"{name}: link up at +{time.monotonic() - cut_at:.1f} s")
+    # The cut took effect: not one byte crossed host 1's only link in 30 s (with the link up,
+    # gloo's all-reduces and Ray's health checks cross it every second).
+    assert crossed_during == 0, f"{crossed_during} bytes crossed the cut link"
     assert [state for _, state, _ in seen] == ["ALIVE"], seen  # nothing noticed the cut
 
     # raylet.out, raylet.1.out, ...: one per raylet host 1 has run in this Ray session.
@@ -508,6 +496,8 @@ def test_partition_of_the_other_host_mid_run(two_hosts):
     print(*{line for line in controller.splitlines() if "unavailable" in line}, sep="\n")
 
     assert status not in ("PENDING", "RUNNING"), f"still {status} at +{ended:.0f} s"
+    # A finished run, or (below) a failure relay explains: nothing else (STOPPED, a crash).
+    assert status in ("SUCCEEDED", "FAILED"), cluster.job_logs(submission_id)[-4000:]
     placement = registry.get_run(cluster.storage, run_dir.name).get("placement") or []
     if not failures:  # the stalled connections carried on: the run never noticed the cut
         assert status == "SUCCEEDED" and restarted_at is None, (status, seen)
@@ -554,7 +544,7 @@ def test_elastic_run_continues_on_the_head_host_when_the_other_host_is_lost(two_
         "--set", "failure.worker_wait_s=15",
     )  # fmt: skip
     try:
-        run_dir = _wait_for_checkpoint(cluster.storage, name, 2)
+        run_dir = wait_for_checkpoint(cluster.storage, name, 2)
         lost_at = time.monotonic()
         cluster.kill_host(1)
         outcome = cluster.job_outcome(submission_id)

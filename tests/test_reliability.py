@@ -33,6 +33,7 @@ from support import (
     stop_session,
     subprocess_env,
     train_worker_pids,
+    wait_for_checkpoint,
 )
 
 import relay
@@ -574,4 +575,50 @@ def test_storage_fills_up_mid_run_then_turns_read_only(tmp_path):
         f"\nreliability: storage full after epoch {max(epochs_done)} (checkpoints "
         f"{registered} intact), recorded as failed; stderr: {err.strip()[:300]}"
         f"\nreliability: read-only storage refused: {ro_err.strip()}"
+    )
+
+
+@pytest.mark.timeout(240)
+def test_storage_turning_read_only_mid_run_is_reported(tmp_path):
+    """The storage root turns read-only after epoch 2's checkpoint, as the README says: the
+    run fails, stderr says why and that its record could not say so, no traceback; the record
+    still reads "running"; the checkpoints registered before are whole and load."""
+    mount = tmp_path / "turns-read-only"
+    fields = {"task": "digits", "epochs": 60, "failure": {"max_failures": 0}}
+    config_file = tmp_path / "ro.yaml"
+    config_file.write_text(yaml.safe_dump(small_config(mount / "relay", **fields)))
+    with small_file_system(mount, 256 * 1024 * 1024):
+        proc = _relay("train", str(config_file), storage=mount)
+        try:
+            run_dir = wait_for_checkpoint(mount / "relay", "small", 2)
+        except AssertionError:
+            _finish(proc, timeout=5)
+            raise
+        # Linux refuses to remount a file system read-only while files on it are open for
+        # writing (the run's are), so a read-only view of it goes on top: every path opened
+        # from now on is read-only, as on a storage server that turned read-only.
+        subprocess.run(["mount", "--bind", "-o", "ro", str(mount), str(mount)], check=True)
+        try:
+            code, out, err = _finish(proc, timeout=180)
+        finally:
+            subprocess.run(["umount", str(mount)], check=True)  # the view; the tmpfs stays
+        epochs_done = [e["epoch"] for e in history.read(run_dir)]
+        assert code == 1, out[-2000:] + err[-2000:]
+        # Two lines: why training failed, and that its record could not say so.
+        recorded, failed = err.strip().splitlines()
+        assert "Traceback" not in err, err
+        assert recorded.startswith("relay: run ") and "could not record it" in recorded, err
+        assert failed.startswith("relay: training failed: "), err
+        assert "Read-only file system" in recorded and "Read-only file system" in failed, err
+        assert max(epochs_done) < fields["epochs"], epochs_done  # it stopped mid-run
+        assert registry.read(run_dir)["status"] == "running"
+        snapshot = json.loads((run_dir / checkpoint.RAY_SNAPSHOT).read_text())
+        registered = [r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]]
+        task = build_task("digits", "debug")
+        for name in registered:
+            checkpoint.validate(run_dir / name)
+            checkpoint.load_weights(run_dir / name, task.build_model())
+    print(
+        f"\nreliability: storage read-only after epoch {max(epochs_done)} (checkpoints "
+        f"{registered} intact); stderr: {err.strip()[:300]}"
     )
