@@ -32,6 +32,7 @@ import functools
 import hashlib
 import importlib
 import importlib.resources
+import importlib.util
 import io
 import json
 import math
@@ -1102,7 +1103,13 @@ def parse_dockerfile(text: str) -> list[Stage]:
         instruction, value = item["instruction"], item["value"]
         if instruction == "FROM":
             base, _, name = value.partition(" AS ") if " AS " in value else value.partition(" as ")
-            stages.append(Stage(name.strip(), base.strip()))
+            earlier = {stage.name: stage for stage in stages}
+            if base.strip() in earlier:  # FROM an earlier stage: it starts as that stage is
+                stage = copy.deepcopy(earlier[base.strip()])
+                stage.name = name.strip()
+                stages.append(stage)
+            else:
+                stages.append(Stage(name.strip(), base.strip()))
             continue
         if not stages:
             continue
@@ -1163,6 +1170,7 @@ def dockerfile_problems(text: str, ignore_patterns: list[str]) -> list[str]:
         return [f"{len(stages)} stage(s): want a builder and a runtime stage"]
     builder, runtime = stages[0], stages[-1]
     installs = [run for run in builder.runs if "pip install" in run]
+    problems += pip_source_problems(builder)
     pins = [p for p in pyproject_pins() if p.startswith(("torch==", "ray["))]
     for pin in pins:
         if not any(f'"{pin}"' in run or f" {pin}" in run for run in installs):
@@ -1170,31 +1178,90 @@ def dockerfile_problems(text: str, ignore_patterns: list[str]) -> list[str]:
     index = builder.args.get("TORCH_INDEX")
     if index != "https://download.pytorch.org/whl/cpu":
         problems.append(f"ARG TORCH_INDEX defaults to {index!r}, not PyTorch's CPU index")
-    torch_runs = [run for run in installs if "torch==" in run]
-    if not torch_runs or not all('--extra-index-url "${TORCH_INDEX}"' in r for r in torch_runs):
-        problems.append("torch is not installed with --extra-index-url from ARG TORCH_INDEX")
-    if not any(re.search(r"pip install .*\s\.$", run) for run in installs):
+    if not any(re.search(r"pip install [^&]*\s\.(\s|$)", run) for run in installs):
         problems.append("the builder does not pip install the project (.)")
     venvs = [src for stage_name, src, dst in runtime.copies_from if stage_name == builder.name]
     venv = venvs[0] if venvs else None
     if venv is None or not any(f"python -m venv {venv}" in run for run in builder.runs):
         problems.append("the runtime stage does not copy the builder's venv")
-    elif not any(f"setcap cap_sys_ptrace+ep {venv}/bin/py-spy" in run for run in runtime.runs):
-        # relay/doctor/stacks.py runs the py-spy beside the venv's python.
-        problems.append("py-spy in the venv lacks the ptrace file capability")
+    else:
+        # relay/doctor/stacks.py runs the py-spy beside the venv's python. Only the debug target
+        # may give it the ptrace file capability: a pod without SYS_PTRACE (Pod Security
+        # "restricted") cannot even exec a binary that carries it.
+        setcap = f"setcap cap_sys_ptrace+ep {venv}/bin/py-spy"
+        debug = [stage for stage in stages if stage.name == "debug"]
+        if not debug or not any(setcap in run for run in debug[0].runs):
+            problems.append("the debug target's py-spy lacks the ptrace file capability")
+        if any("setcap" in run for run in runtime.runs):
+            problems.append("the default image gives a file capability (setcap)")
     if runtime.user is None or runtime.user.split(":")[0] in ("0", "root"):
         problems.append(f"the runtime stage runs as {runtime.user or 'root'}")
     if runtime.entrypoint not in (["relay"], "relay"):
         problems.append(f"ENTRYPOINT is {runtime.entrypoint!r}, not relay")
     if runtime.base != builder.base:
         problems.append("the stages differ in base image: the venv's python would dangle")
-    for stage in stages:
-        for source, _ in stage.copies:
-            if not (ROOT / source).exists():
-                problems.append(f"COPY {source}: not in the repository")
-            elif dockerignored(source, ignore_patterns):
-                problems.append(f"COPY {source}: .dockerignore keeps it out of the context")
+    # Each source once: a stage FROM another inherits its COPYs.
+    for source in dict.fromkeys(source for stage in stages for source, _ in stage.copies):
+        if not (ROOT / source).exists():
+            problems.append(f"COPY {source}: not in the repository")
+        elif dockerignored(source, ignore_patterns):
+            problems.append(f"COPY {source}: .dockerignore keeps it out of the context")
     return problems
+
+
+CONSTRAINTS = DEPLOY / "image-constraints.txt"
+
+
+def pip_source_problems(builder: Stage) -> list[str]:
+    """torch alone from ARG TORCH_INDEX (--index-url, --no-deps), every other pip install from
+    PyPI under the committed constraints file, and no install that mixes indexes."""
+    problems = []
+    constraints = [dst for src, dst in builder.copies if src == str(CONSTRAINTS.relative_to(ROOT))]
+    for run in (run for run in builder.runs if "pip install" in run):
+        words = shlex.split(run.split("pip install", 1)[1].split("&&")[0])
+        packages = [w for w in words if not w.startswith("-") and "://" not in w and "$" not in w]
+        if "--extra-index-url" in words:
+            problems.append(f"{run!r}: --extra-index-url lets either index serve any package")
+        if any(p.startswith("torch") for p in packages):
+            from_index = words[words.index("--index-url") + 1] if "--index-url" in words else None
+            if (
+                from_index != "${TORCH_INDEX}"
+                or "--no-deps" not in words
+                or packages != ["torch==2.13.0"]
+            ):
+                problems.append(f"{run!r}: torch not alone (--no-deps) from --index-url")
+            continue
+        target = words[words.index("--constraint") + 1] if "--constraint" in words else None
+        resolved = posixpath.normpath(posixpath.join(builder.workdir, target or ""))
+        if target is None or resolved not in constraints:
+            problems.append(f"{run!r}: installs without the constraints file")
+    return problems
+
+
+def constraint_pins() -> dict[str, str]:
+    lines = [line for line in CONSTRAINTS.read_text().splitlines() if not line.startswith("#")]
+    pins = dict(line.split("==", 1) for line in lines)
+    assert all(re.fullmatch(r"[a-z0-9-]+", name) for name in pins), "not canonical names"
+    return pins
+
+
+def test_constraints_pin_what_the_image_installs():
+    """Every distribution the image takes from PyPI is pinned, each of pyproject's own within
+    its specifier. (Versions are the venv's that generated the file; a newer resolution
+    elsewhere may differ, the set of names should not.)"""
+
+    spec = importlib.util.spec_from_file_location(
+        "make_constraints", DEPLOY / "make_constraints.py"
+    )
+    make_constraints = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_constraints)
+    pins = constraint_pins()
+    missing = set(make_constraints.image_pins()) - set(pins)
+    assert not missing, f"regenerate: deploy/kuberay/make_constraints.py (missing {missing})"
+    assert "torch" not in pins  # from PyTorch's index, alone
+    for root in make_constraints._roots():
+        if root.name != "torch":
+            assert root.specifier.contains(pins[root.name.lower()]), (root, pins[root.name])
 
 
 def ignore_patterns() -> list[str]:
@@ -1206,7 +1273,12 @@ def test_dockerfile_structure():
     assert dockerfile_problems(DOCKERFILE.read_text(), ignore_patterns()) == []
     runtime = dockerfile_stages()[-1]
     # What pip needs to build the package is in the context (pyproject names README.md).
-    for needed in ("pyproject.toml", "README.md", "platform"):
+    for needed in (
+        "pyproject.toml",
+        "README.md",
+        "platform",
+        "deploy/kuberay/image-constraints.txt",
+    ):
         assert not dockerignored(needed, ignore_patterns()), needed
     for ignored in (".venv", ".git", "runs", "platform/relay/__pycache__"):
         assert dockerignored(ignored, ignore_patterns()), ignored
@@ -1226,8 +1298,34 @@ def test_dockerfile_structure():
         ("COPY --from=builder /opt/venv /opt/venv", "", "copy the builder's venv"),
         ("USER 1000:1000", "USER root", "runs as root"),
         ("COPY jobs ./jobs", "COPY jobz ./jobs", "not in the repository"),
-        ("RUN setcap cap_sys_ptrace+ep /opt/venv/bin/py-spy", "", "file capability"),
+        ("    && setcap cap_sys_ptrace+ep /opt/venv/bin/py-spy", "", "debug target's py-spy"),
+        (
+            "COPY jobs ./jobs",
+            "COPY jobs ./jobs\nRUN setcap cap_sys_ptrace+ep /opt/venv/bin/py-spy",
+            "default image gives a file capability",
+        ),
         ('ENTRYPOINT ["relay"]', 'ENTRYPOINT ["ray"]', "not relay"),
+        (
+            '--no-deps --index-url "${TORCH_INDEX}"',
+            '--index-url "${TORCH_INDEX}"',
+            "torch not alone",
+        ),
+        ('--index-url "${TORCH_INDEX}"', '--extra-index-url "${TORCH_INDEX}"', "either index"),
+        (
+            '"torch==2.13.0"',
+            '"torch==2.13.0" "numpy"',
+            "torch not alone",
+        ),
+        (
+            "pip install --constraint image-constraints.txt .",
+            "pip install .",
+            "without the constraints file",
+        ),
+        (
+            "COPY deploy/kuberay/image-constraints.txt ./image-constraints.txt",
+            "",
+            "without the constraints file",
+        ),
     ],
 )
 def test_dockerfile_check_bites(old, new, expected):
@@ -1258,7 +1356,7 @@ def test_hadolint(tmp_path):
     # And it does bite: an untagged base image, an apt-get without -y.
     text = DOCKERFILE.read_text().replace("apt-get install -y", "apt-get install")
     broken = tmp_path / "Dockerfile"
-    broken.write_text(text.replace("FROM ${PYTHON_IMAGE} AS runtime", "FROM python AS runtime"))
+    broken.write_text(text.replace("FROM ${PYTHON_IMAGE} AS base", "FROM python AS base"))
     result = hadolint(broken)
     assert result.returncode != 0
     assert "DL3014" in result.stdout and "DL3006" in result.stdout, result.stdout
