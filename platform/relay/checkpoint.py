@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import pickle
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,8 +222,9 @@ def validate(directory: str | Path) -> Path:
 
 
 def _validate_shards(shards: Path) -> None:
-    """The index reads (safely), and every file it points into is there and long enough."""
-    from relay.parallel.sharded import UnsafeCheckpoint, read_index
+    """The index reads (safely, pointing only inside `shards`), and every file it points into
+    is there and long enough."""
+    from relay.parallel.sharded import UnsafeCheckpoint, check_files, read_index
 
     try:
         index = read_index(shards)
@@ -230,16 +232,10 @@ def _validate_shards(shards: Path) -> None:
         raise CorruptCheckpoint(
             f"{shards / '.metadata'}: unreadable shard index ({_one_line(exc)})"
         ) from None
-    ends: dict[str, int] = {}
-    for stored in (index.storage_data or {}).values():
-        end = stored.offset + stored.length
-        ends[stored.relative_path] = max(end, ends.get(stored.relative_path, 0))
-    for name, end in sorted(ends.items()):
-        path = shards / name
-        if not path.is_file():
-            raise CorruptCheckpoint(f"{path}: missing from the checkpoint")
-        if path.stat().st_size < end:
-            raise CorruptCheckpoint(f"{path}: cut short ({path.stat().st_size} of {end} bytes)")
+    try:
+        check_files(index, shards)
+    except UnsafeCheckpoint as exc:
+        raise CorruptCheckpoint(str(exc)) from None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -276,13 +272,49 @@ def load_train_state(directory: str | Path) -> TrainState:
     return TrainState(state.get("optimizer"), state.get("scheduler"), state.get("scaler"))
 
 
-def load_model(directory: str | Path):
+def checked_task(directory: str | Path, allow: Iterable[str] = ()) -> str:
+    """The task `directory`'s meta.json names, if relay may import it: a built-in, or a name in
+    `allow` (relay.tasks.check_allowed); else `relay.tasks.UntrustedTask`. Imports nothing."""
+    return _allowed_task(read_meta(directory), directory, allow)
+
+
+def _allowed_task(meta: dict[str, Any], directory: str | Path, allow: Iterable[str]) -> str:
+    from relay.tasks import check_allowed
+
+    config = meta.get("config")
+    name = config.get("task") if isinstance(config, dict) else None
+    return check_allowed(name, str(Path(directory) / META), allow)
+
+
+def recorded_task(storage: Path, found: Any) -> list[str]:
+    """The task the storage root records for a resolved reference (`registry.ResolvedModel`):
+    its model version's, or its run's. The storage root is trusted and its records copy the
+    user's own run config, so that task needs no --allow-task. None for a checkpoint
+    directory given by path: only its own meta.json speaks for it."""
+    from relay import registry
+
+    if found.version:
+        return [found.version["task"]] if found.version.get("task") else []
+    if Path(found.reference).is_absolute():  # a directory (run ids are never paths)
+        return []
+    try:
+        task = registry.get_run(storage, found.reference).get("task")
+    except KeyError:
+        return []
+    return [task] if isinstance(task, str) else []
+
+
+def load_model(directory: str | Path, *, allow_task: Iterable[str] = ()):
     """(task, model in eval mode) rebuilt from a checkpoint's own meta.json — for serving and
-    offline inference. Weights load from safetensors; nothing is unpickled."""
+    offline inference. Weights load from safetensors; nothing is unpickled. The task meta.json
+    names is imported only if it is built in or in `allow_task` (see `checked_task`)."""
     from relay.tasks import build_task
 
-    cfg = read_meta(directory)["config"]
-    task = build_task(cfg["task"], cfg["size"], cfg.get("model"), cfg.get("data", {}).get("path"))
+    meta = read_meta(directory)
+    task_name = _allowed_task(meta, directory, allow_task)  # before anything is imported
+    cfg = meta["config"]
+    data_path = (cfg.get("data") or {}).get("path")
+    task = build_task(task_name, cfg["size"], cfg.get("model"), data_path)
     task.load_assets(Path(directory))
     model = load_weights(directory, task.build_model())
     return task, model.eval()

@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue this run from its latest checkpoint under CONFIG (which may change "
         "workers, strategy, precision, epochs; not the model)",
     )
+    serving.add_allow_task(train)
 
     tune = sub.add_parser("tune", help="sweep hyperparameters with ASHA (each trial: DDP)")
     tune.add_argument(
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--out", help="new or empty directory to write (default: beside the shards)"
     )
     export.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
+    serving.add_allow_task(export)
 
     runs = sub.add_parser(
         "runs",
@@ -171,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints (and every run a model version points at); the rest lose them",
     )
     runs.add_argument("--dry-run", action="store_true", help="gc: only say what it would delete")
+    serving.add_allow_task(runs)
     runs.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
     runs.add_argument("--json", action="store_true", help="print JSON")
 
@@ -209,6 +212,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from relay import registry
     from relay.checkpoint import CorruptCheckpoint
     from relay.run_admin import collected_reason
+    from relay.tasks import UntrustedTask
     from relay.trainer import check_resumable, fit  # imports Ray: only with a good config
 
     run_id = None
@@ -222,9 +226,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if reason := collected_reason(previous):
             return _fail(f"--resume: {reason}", EXIT_USAGE)
     try:
-        result = fit(cfg, verbose=args.verbose, model_name=args.model_name, run_id=run_id)
-    except CorruptCheckpoint as exc:  # found before any cluster work; the run is unchanged
-        return _fail(f"--resume: {exc}", EXIT_USAGE)
+        result = fit(
+            cfg,
+            verbose=args.verbose,
+            model_name=args.model_name,
+            run_id=run_id,
+            allow_task=args.allow_task,
+        )
+    except (CorruptCheckpoint, UntrustedTask) as exc:  # found before any cluster work; the
+        return _fail(f"--resume: {exc}", EXIT_USAGE)  # run is unchanged
     except Exception as exc:  # the run failed on the cluster; its record says so too
         return _fail(f"training failed: {_failure_summary(exc)}", EXIT_FAILED)
     _detach_from_ray()
@@ -371,15 +381,39 @@ def _damaged_checkpoint(record: dict[str, Any]) -> str | None:
 
     from relay import checkpoint
 
-    if record.get("collected"):  # deleted on purpose by `relay runs gc`: the record says so
-        return None
-    latest = checkpoint.latest_registered(record["run_dir"])
-    paths = [record.get("checkpoint"), record.get("last_checkpoint"), latest and latest[0]]
-    for path in dict.fromkeys(str(p) for p in paths if p):
+    for path in _checkpoints_of(record):
         try:
             checkpoint.validate(Path(path))
         except checkpoint.CorruptCheckpoint as exc:
             return f"run {record['run_id']}: damaged checkpoint: {exc}"
+    return None
+
+
+def _checkpoints_of(record: dict[str, Any]) -> list[str]:
+    """The run's checkpoints: best, last, and the one a resume would load; none once `relay
+    runs gc` deleted them on purpose (the record says so)."""
+    from relay import checkpoint
+
+    if record.get("collected"):
+        return []
+    latest = checkpoint.latest_registered(record["run_dir"])
+    paths = [record.get("checkpoint"), record.get("last_checkpoint"), latest and latest[0]]
+    return list(dict.fromkeys(str(p) for p in paths if p))
+
+
+def _untrusted_checkpoint(record: dict[str, Any], allow: list[str]) -> str | None:
+    """Why one of the run's checkpoints names a task relay may not import (relay.tasks.
+    check_allowed): neither built in, nor the run's own (its record, in the trusted storage
+    root), nor allowed with --allow-task. None if all are fine."""
+    from relay import checkpoint
+    from relay.tasks import UntrustedTask
+
+    own = [t for t in (record.get("task"), (record.get("config") or {}).get("task")) if t]
+    for path in _checkpoints_of(record):
+        try:
+            checkpoint.checked_task(path, [*allow, *(t for t in own if isinstance(t, str))])
+        except UntrustedTask as exc:
+            return f"run {record['run_id']}: {exc}"
     return None
 
 
@@ -409,6 +443,8 @@ def _cmd_runs(args: argparse.Namespace) -> int:
             return _fail(str(exc.args[0]), EXIT_USAGE)
         record = {**record, "history": history.read(record["run_dir"])}
         damaged = _damaged_checkpoint(record)
+        if not damaged and (untrusted := _untrusted_checkpoint(record, args.allow_task)):
+            return _fail(untrusted, EXIT_USAGE)
         if args.json:
             print(json.dumps(record, default=str))
         else:
@@ -661,13 +697,19 @@ def _models_show(storage: Path, ref: str, args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from relay import checkpoint, consolidate, registry
+    from relay.tasks import UntrustedTask
 
     storage = config_mod.resolve_storage(args.storage)
     try:
         found = registry.resolve_model(storage, args.ref)
+        # What it exports says which task to load it with: one relay may import.
+        allowed = [*args.allow_task, *checkpoint.recorded_task(storage, found)]
+        checkpoint.checked_task(found.checkpoint, allowed)
         path = consolidate.export(found.checkpoint, args.out)
     except KeyError as exc:
         return _fail(f"export: {exc.args[0]}", EXIT_USAGE)
+    except UntrustedTask as exc:
+        return _fail(f"export: {exc}", EXIT_USAGE)
     except checkpoint.CorruptCheckpoint as exc:
         return _fail(f"export: {args.ref}: damaged checkpoint: {exc}", EXIT_FAILED)
     except OSError as exc:

@@ -87,7 +87,10 @@ def write_weights(shards: Path, target: Path) -> list[str]:
 
     from relay.parallel import sharded
 
+    # Each tensor's size is checked against the bytes the index gives it, and those against
+    # the files: nothing below allocates more than the checkpoint holds.
     index = sharded.read_index(shards)
+    sharded.check_files(index, shards)
     tensors = [
         (key.removeprefix(WEIGHTS_PREFIX), stored)
         for key, stored in index.state_dict_metadata.items()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -153,6 +154,7 @@ def fit(
     labels: dict[str, Any] | None = None,
     init_checkpoint: str | Path | None = None,
     data: SharedData | None = None,
+    allow_task: Iterable[str] = (),
 ) -> RunResult:
     """Train `cfg` on the current Ray cluster (starting a local one if none), record the run and
     (with `register`) make its best checkpoint the next version of model `model_name`.
@@ -169,6 +171,9 @@ def fit(
     `data`: what a sweep prepared once for all its trials (`ingest.put_for_trials`: a split
     in the object store, or its files' survey); used when it is what this config would
     prepare, else the run prepares its own.
+
+    The checkpoint a run resumes or starts from must name `cfg`'s task in its meta.json, or
+    one in `allow_task` (relay.tasks.UntrustedTask, before any cluster work).
     """
     from relay import ingest
 
@@ -183,8 +188,10 @@ def fit(
         # the file, not on every worker (and every retry) after a cluster start.
         if latest := checkpoint.latest_registered(registry.runs_root(cfg.storage_path()) / run_id):
             checkpoint.validate(latest[0])
+            checkpoint.checked_task(latest[0], [cfg.task, *allow_task])
     if init_checkpoint is not None:
         init_checkpoint = str(checkpoint.validate(init_checkpoint))
+        checkpoint.checked_task(init_checkpoint, [cfg.task, *allow_task])
         check_resumable(checkpoint.read_meta(init_checkpoint)["config"], cfg)
     registry.check_writable(registry.runs_root(cfg.storage_path()))
     cluster.connect(verbose=verbose, num_cpus=ingest.cpus_to_start(cfg))

@@ -43,6 +43,7 @@ import logging
 import math
 import re
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -181,11 +182,12 @@ class AppArgs(ReplicaArgs):
         return ReplicaArgs.model_validate(self.model_dump(include=set(ReplicaArgs.model_fields)))
 
 
-def resolve_models(args: AppArgs) -> list[ModelInfo]:
+def resolve_models(args: AppArgs, allow_task: Iterable[str] = ()) -> list[ModelInfo]:
     """Each reference → its checkpoint. Raises KeyError (no such model), TypeError (its task
     cannot be served), OSError (the checkpoint is unreadable) or ValueError (two models with
-    one name)."""
-    models = [model_table.resolve(ref, args.storage, args.name) for ref in args.model]
+    one name; a checkpoint naming a task neither built in nor in `allow_task`: see
+    model_table.resolve)."""
+    models = [model_table.resolve(ref, args.storage, args.name, allow_task) for ref in args.model]
     names = [info.name for info in models]
     if len(set(names)) < len(names):
         raise ValueError(f"two models named {max(names, key=names.count)!r} on one endpoint")

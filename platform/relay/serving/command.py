@@ -70,6 +70,29 @@ STAGE_TIMEOUT_S = 600.0
 REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"
 
 
+def _task_spec(text: str) -> str:
+    from relay.tasks import check_task_spec  # (imports torch: only when the flag is given)
+
+    try:
+        return check_task_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_allow_task(parser: argparse.ArgumentParser) -> None:
+    """--allow-task: a task a checkpoint names that relay may import (relay.tasks.check_allowed)."""
+    parser.add_argument(
+        "--allow-task",
+        action="append",
+        default=[],
+        type=_task_spec,
+        metavar="PKG.MOD:CLASS",
+        help="a task a checkpoint's meta.json may name besides the built-in ones and those the "
+        "storage root records: its module is then imported, so only code you trust "
+        "(repeatable)",
+    )
+
+
 def _add_endpoint_flags(parser: argparse.ArgumentParser, host_help: str) -> None:
     parser.add_argument("--host", default="127.0.0.1", help=host_help)
     parser.add_argument("--port", type=port_number, default=8000, help="HTTP port (default: 8000)")
@@ -99,6 +122,7 @@ def add_parser(subparsers) -> None:
     for field, (kind, text) in APP_FLAGS.items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=kind, help=text)
     parser.add_argument("--verbose", action="store_true", help="show Ray's own logs")
+    add_allow_task(parser)
 
     deploy = subparsers.add_parser(
         "deploy",
@@ -113,6 +137,7 @@ def add_parser(subparsers) -> None:
     )
     deploy.add_argument("--storage", help="storage root (default: $RELAY_HOME, else ~/relay)")
     deploy.add_argument("--verbose", action="store_true", help="show Ray's own logs")
+    add_allow_task(deploy)
 
 
 def _fail(message: str, code: int) -> int:
@@ -168,11 +193,11 @@ def _app_args(refs: list[str], options: dict[str, Any]):
         return None, f"{flag}: {item['msg'].removeprefix('Value error, ')}"
 
 
-def _resolve(app_args) -> tuple[list, str | None]:
+def _resolve(app_args, allow_task: list[str]) -> tuple[list, str | None]:
     from relay.serving.app import resolve_models
 
     try:
-        return resolve_models(app_args), None
+        return resolve_models(app_args, allow_task), None
     except (KeyError, TypeError, ValueError, OSError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) else str(exc)
         return [], f"cannot serve {', '.join(app_args.model)}: {message}"
@@ -183,7 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app_args, problem = _app_args(args.refs, options)
     if problem:
         return _fail(problem, EXIT_USAGE)
-    models, problem = _resolve(app_args)
+    models, problem = _resolve(app_args, args.allow_task)
     if problem:
         return _fail(problem, EXIT_USAGE)
     if args.address:
@@ -292,7 +317,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if problem:
         return _fail(problem, EXIT_USAGE)
     new_args.storage = served_args.storage
-    new, problem = _resolve(new_args)
+    new, problem = _resolve(new_args, args.allow_task)
     if problem:
         return _fail(problem, EXIT_USAGE)
     with endpoint.changing(args.storage, args.host, args.port):

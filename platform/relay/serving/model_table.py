@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,14 +34,21 @@ class ModelInfo(BaseModel):
     checkpoint: str
 
 
-def resolve(reference: str, storage: str | None, name: str | None = None) -> ModelInfo:
+def resolve(
+    reference: str, storage: str | None, name: str | None = None, allow_task: Iterable[str] = ()
+) -> ModelInfo:
     """Registry reference → checkpoint. Raises KeyError (no such model), TypeError (its task
-    cannot be served) or OSError (the checkpoint is unreadable)."""
+    cannot be served), OSError (the checkpoint is unreadable) or relay.tasks.UntrustedTask
+    (its meta.json names a task that is neither built in, nor the one the storage root records
+    for it, nor in `allow_task`: nothing is imported). The task it returns is the one checked
+    here, and the only one a replica imports for this model (see `load`)."""
     from relay import checkpoint, config, registry
     from relay.tasks import resolve_task_class
 
-    found = registry.resolve_model(config.resolve_storage(storage), reference)
-    task_name = checkpoint.read_meta(found.checkpoint)["config"]["task"]
+    root = config.resolve_storage(storage)
+    found = registry.resolve_model(root, reference)
+    allowed = [*allow_task, *checkpoint.recorded_task(root, found)]
+    task_name = checkpoint.checked_task(found.checkpoint, allowed)
     if not resolve_task_class(task_name).servable():
         raise TypeError(
             f"task {task_name!r} cannot be served: it needs Instance and Prediction schemas and "
@@ -81,9 +89,12 @@ class LoadedModel:
 
 
 def load(info: ModelInfo) -> LoadedModel:
+    """The model `info` names, in a replica. `info.task` is the task the driver checked
+    (`resolve`) and passed here in the application's own arguments (the user_config): the
+    replica imports that task only, whatever the checkpoint's meta.json says by now."""
     from relay.checkpoint import load_model
 
-    task, model = load_model(info.checkpoint)
+    task, model = load_model(info.checkpoint, allow_task=[info.task])
     return LoadedModel(info, task, model)
 
 

@@ -1,10 +1,19 @@
-"""Task registry: built-in names → task classes; anything else is imported as "module:Class"."""
+"""Task registry: built-in names → task classes; anything else is imported as "module:Class".
+
+A name the user gives (their run config, the command line) is imported as given, from the
+current directory too, like `python -m`. A name a file gives — a checkpoint's meta.json — is
+code chosen by whoever wrote the file: `check_allowed` lets it through only if it is built in
+or the user allowed that very name (`--allow-task`), before anything is imported.
+"""
 
 from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
+from collections.abc import Iterable
+from typing import Any
 
 from relay.tasks.base import Split, Task, TaskSize, split_rows
 
@@ -17,7 +26,25 @@ BUILTIN = {
     "hf-sequence-classification": "relay.tasks.hf.classification:HFSequenceClassificationTask",
 }
 
-__all__ = ["BUILTIN", "Split", "Task", "TaskSize", "build_task", "resolve_task_class", "split_rows"]
+__all__ = [
+    "BUILTIN",
+    "Split",
+    "Task",
+    "TaskSize",
+    "UntrustedTask",
+    "build_task",
+    "check_allowed",
+    "check_task_spec",
+    "resolve_task_class",
+    "split_rows",
+]
+
+# "package.module:Class": dotted Python identifiers, a colon, an identifier.
+_SPEC = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
+
+
+class UntrustedTask(ValueError):
+    """A file names a task that is neither built in nor allowed by the user."""
 
 
 def _import(spec: str) -> type:
@@ -55,3 +82,27 @@ def resolve_task_class(name: str) -> type[Task]:
 
 def build_task(name: str, size: str, model: dict | None = None, data_path: str | None = None):
     return resolve_task_class(name)(size=size, model=model, data_path=data_path)
+
+
+def check_task_spec(spec: str) -> str:
+    """`spec` if it reads "package.module:Class" (what `--allow-task` takes), else ValueError."""
+    if not _SPEC.fullmatch(spec):
+        raise ValueError(f"{spec!r} is not a task as package.module:Class")
+    return spec
+
+
+def check_allowed(name: Any, source: str, allow: Iterable[str] = ()) -> str:
+    """`name`, read from the file `source`, if relay may import it: a built-in, or a name in
+    `allow` (the user's own choice). Else UntrustedTask, naming the file, the task and the
+    flag to pass; nothing is imported either way."""
+    if not isinstance(name, str):
+        raise UntrustedTask(f"{source}: config.task is {name!r}, not a task name")
+    if name in BUILTIN or name in set(allow):
+        return name
+    if not _SPEC.fullmatch(name):  # not even importable: nothing to suggest allowing
+        raise UntrustedTask(f"{source} names task {name!r}, which is not a task relay knows")
+    raise UntrustedTask(
+        f"{source} names task {name!r}, which is not built in; relay imports a task a "
+        f"checkpoint names only if you allow it: pass --allow-task {name} "
+        f"(Python: allow_task=[{name!r}]) if you trust that code"
+    )
