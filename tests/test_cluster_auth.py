@@ -102,7 +102,7 @@ def get_jobs(address: str, token: str | None) -> int:
 @pytest.fixture(scope="module")
 def readme_head():
     """A head started by the README's lines; yields (dashboard address, the README shell's
-    environment, its home directory)."""
+    environment, its home directory, the head's log). The home (the token) goes at the end."""
     temp_dir = tempfile.mkdtemp(prefix="ra-", dir="/tmp")  # Ray's socket paths must stay short
     home = Path(temp_dir) / "home"
     home.mkdir()
@@ -135,15 +135,16 @@ def readme_head():
             time.sleep(2)
         else:
             pytest.fail(f"the README's head never served its jobs: {probe.stderr[-3000:]}")
-        yield address, shell_env, home
+        yield address, shell_env, home, log_path
     finally:
         stop_session(leader)
         log.close()
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.mark.slow  # a `ray start --head` of its own
 def test_readme_head_refuses_a_client_without_the_token(readme_head):
-    address, _, home = readme_head
+    address, _, home, _ = readme_head
     assert get_jobs(address, token=None) == 401  # no token: unauthenticated
     assert get_jobs(address, token="not-the-token") == 403  # a wrong one: forbidden
     token = (home / ".ray" / "auth_token").read_text().strip()
@@ -152,7 +153,7 @@ def test_readme_head_refuses_a_client_without_the_token(readme_head):
 
 @pytest.mark.slow  # a `ray start --head` of its own
 def test_readme_token_is_private_to_its_user(readme_head):
-    _, _, home = readme_head
+    _, _, home, _ = readme_head
     mode = stat.S_IMODE((home / ".ray" / "auth_token").stat().st_mode)
     assert mode & 0o077 == 0, f"~/.ray/auth_token is {oct(mode)}: others may read the token"
 
@@ -161,7 +162,7 @@ def test_readme_token_is_private_to_its_user(readme_head):
 def test_readme_job_cli_presents_the_token(readme_head):
     """`ray job submit` / `ray job list` in the README's shell reach the head (the fixture's
     probe), and the job CLI from a shell without the token is refused, naming authentication."""
-    address, shell_env, home = readme_head
+    address, shell_env, home, _ = readme_head
     stranger_home = home.parent / "stranger"
     stranger_home.mkdir(exist_ok=True)
     stranger = {**shell_env, "HOME": str(stranger_home), "RAY_AUTH_MODE": "token"}
@@ -171,6 +172,12 @@ def test_readme_job_cli_presents_the_token(readme_head):
     )  # fmt: skip
     assert refused.returncode != 0
     assert "auth" in (refused.stdout + refused.stderr).lower(), refused.stderr[-2000:]
+
+
+@pytest.mark.slow  # a `ray start --head` of its own
+def test_readme_head_sends_no_usage_stats(readme_head):
+    *_, log_path = readme_head
+    assert "Usage stats collection is disabled" in log_path.read_text()
 
 
 def test_netns_demo_prints_no_token(tmp_path):
