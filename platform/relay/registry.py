@@ -338,7 +338,9 @@ def list_versions(storage: Path, name: str | None = None) -> list[dict[str, Any]
         if not (path.stem.isdigit() and is_name(path.parent.name)):
             continue
         record = json.loads(path.read_text())
-        if record.get("model") == path.parent.name and record.get("version") == int(path.stem):
+        if not isinstance(record, dict) or type(record.get("version")) is not int:
+            continue
+        if record.get("model") == path.parent.name and record["version"] == int(path.stem):
             records.append(_as_read(storage, record))
     return sorted(records, key=lambda r: (r["model"], r["version"]))
 

@@ -32,12 +32,12 @@ class Refused(ValueError):
 
 
 def deletable_run_dir(storage: Path, run_id: str) -> Path:
-    """`<storage>/runs/<run_id>`, checked safe to delete: `run_id` one name, and the directory
-    itself inside runs/ (not a link: rmtree would follow none, but neither does relay)."""
+    """`<storage>/runs/<run_id>`, checked safe to delete: `run_id` one name (KeyError if
+    not), and the directory itself inside the resolved runs/ and no link (Refused if not)."""
     root = registry.runs_root(storage).resolve()
     path = root / registry.check_run_id(run_id)
-    if path.is_symlink() or not path.resolve().is_relative_to(root) or path.resolve() == root:
-        raise Refused(f"run {run_id}: {path} leads outside {root}; refused, nothing deleted")
+    if path.is_symlink() or not path.resolve().is_relative_to(root):
+        raise Refused(f"run {run_id}: {path} is a link or lies outside {root}; refused")
     return path
 
 

@@ -308,7 +308,7 @@ def run(
         # Tune's own reporter (a box per sweep, a table per interval) gives way to ours.
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     if not resume:
-        sweep_dir.mkdir(parents=True)
+        registry.make_dir(sweep_dir, exist_ok=False)  # 0700, as runs (see registry)
         (sweep_dir / SPEC).write_text(cfg.model_dump_json(indent=2))
     if out is not None:
         verb = "resuming" if resume else "sweep"
