@@ -186,3 +186,18 @@ def test_a_groups_shared_storage_takes_the_users_umask(tmp_path, umask):
     assert {str(p): oct(mode(p)) for p in made["files"]} == {str(p): "0o660" for p in made["files"]}
     # A world-writable /tmp is not a group's storage: no setgid, so private there.
     assert registry.dir_mode(Path("/tmp")) == 0o700
+
+
+@pytest.mark.parametrize("ref", ["../../victim", "/tmp/victim", "a-sweep\n", ""])
+def test_a_sweep_id_never_names_a_path_outside_the_sweeps(tmp_path, capsys, ref):
+    """`relay sweeps show` and `relay tune --resume` read a sweep's spec from the directory its
+    id names: an id that walks out of `<storage>/sweeps/` is refused before it is joined."""
+    storage = tmp_path / "storage"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "sweep.json").write_text("{}")
+    (storage / "sweeps").mkdir(parents=True)
+    for argv in (["sweeps", "show", ref], ["tune", "--resume", ref]):
+        code, out, err = relay(capsys, *argv, "--storage", str(storage))
+        assert (code, out) == (2, ""), (argv, out, err)
+        assert "invalid sweep id" in err or (ref == "" and "needs a" in err), (argv, err)

@@ -299,7 +299,7 @@ def run(
 ) -> SweepResult:
     """Run (or, with `resume=<sweep id>`, continue) a sweep; register its best trial."""
     storage = storage or cfg.train.storage_path()
-    sweep_id = resume or trainer.new_run_id(cfg.name)
+    sweep_id = sweep_records.check_sweep_id(resume) if resume else trainer.new_run_id(cfg.name)
     sweep_dir = sweeps_root(storage) / sweep_id
     cluster.connect(verbose=verbose, num_cpus=ingest.cpus_to_start(cfg.train))
     if cfg.search_alg == "pbt":  # before anything is written: a population that cannot fit
@@ -337,7 +337,7 @@ def run(
 
 
 def load_spec(storage: Path, sweep_id: str) -> SweepConfig:
-    path = sweeps_root(storage) / sweep_id / SPEC
+    path = sweeps_root(storage) / sweep_records.check_sweep_id(sweep_id) / SPEC
     if not path.exists():
         raise KeyError(f"no sweep {sweep_id!r} under {sweeps_root(storage)}")
     # Validated as a config file is (a ConfigError, exit 2): e.g. a tpe sweep resumed where

@@ -163,8 +163,8 @@ def read_sweep(storage: Path, sweep_id: str) -> dict[str, Any]:
     """One sweep's view: its spec's essentials, every trial (config, status, epochs run, ASHA
     rungs reached, final metrics), the best trial. Raises KeyError for an unknown id,
     SweepRecordError for a file that cannot be read."""
-    sweep_dir = sweeps_root(storage) / sweep_id
-    if not sweep_id or "/" in sweep_id or sweep_id.startswith(".") or not sweep_dir.is_dir():
+    sweep_dir = sweeps_root(storage) / check_sweep_id(sweep_id)
+    if not sweep_dir.is_dir():
         raise KeyError(f"no sweep {sweep_id!r} under {sweeps_root(storage)}")
     spec_path = sweep_dir / SPEC
     spec = _read_json(spec_path, "sweep config")
@@ -287,10 +287,19 @@ def list_sweeps(storage: Path) -> list[dict[str, Any]]:
     return sorted(views, key=lambda v: v["started_at"], reverse=True)
 
 
+def check_sweep_id(sweep_id: object) -> str:
+    """`sweep_id`, if it is one directory name; a KeyError naming it if not (before it names
+    a path: `../../x` or an absolute path would lead out of the sweeps)."""
+    if not registry.is_name(sweep_id):
+        raise KeyError(f"invalid sweep id {sweep_id!r}: letters, digits, '_', '.', '-'")
+    return sweep_id
+
+
 def find_sweep_id(storage: Path, sweep_id: str) -> str:
     """An exact sweep id, or the one sweep whose id starts with `sweep_id`."""
     root = sweeps_root(storage)
-    if sweep_id and (root / sweep_id / SPEC).exists():
+    check_sweep_id(sweep_id)
+    if (root / sweep_id / SPEC).exists():
         return sweep_id
     matches = sorted(p.parent.name for p in root.glob(f"*/{SPEC}"))
     matches = [m for m in matches if sweep_id and m.startswith(sweep_id)]
