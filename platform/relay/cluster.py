@@ -76,6 +76,16 @@ RUN_SWITCHES = {
 # the job's runtime_env otherwise (connect passes them).
 
 
+# Reports to third parties, off in every process relay starts (set like RUN_SWITCHES: a user's
+# own value wins). Ray's usage stats are sent by the head's dashboard of a cluster started here,
+# which reads this at its start (ray/_common/usage/usage_lib.py); Ray 2.60's ray.init() sets it
+# too, except for nightly wheels (_private/worker.py), so relay says so itself rather than lean
+# on that. An existing cluster's are its own `ray start`'s choice. MLflow's telemetry is decided
+# when a process imports mlflow (mlflow/telemetry/utils.py): the driver, and the controllers and
+# trials that log to MLflow.
+TELEMETRY_OFF = {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true"}
+
+
 # How long one start of a worker group waits for its placement group, read by the Train
 # controller, which Ray hands it from the caller of fit() (ENV_VARS_TO_PROPAGATE). A start that
 # waits longer fails as a controller failure, retried up to FailureConfig's
@@ -207,7 +217,7 @@ def connect(*, verbose: bool = False, num_cpus: int | None = None) -> None:
     Serve's settings for a cluster started here are relay/serving/ingress.py's business (set in
     the environment before this call)."""
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", REPORT_POLL_INTERVAL_S)
-    switches = set_missing(RUN_SWITCHES)
+    switches = set_missing(RUN_SWITCHES) | set_missing(TELEMETRY_OFF)
     if ray.is_initialized():
         return
     options: dict = {

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from relay import history, registry, sweep_records
+from relay.config import redacted_uri
 
 REPORT = "report.html"
 BEST, OTHER = "#d62728", "#1f77b4"
@@ -147,9 +148,20 @@ def run_page(record: dict[str, Any]) -> str:
         f"{record['task']} ({record.get('size')}), {record.get('status')}; "
         f"{len(epochs)} epochs; model {record.get('model') or '-'}"
     )
-    config = yaml.safe_dump(record["config"], sort_keys=False)
+    config = yaml.safe_dump(_shown_config(record["config"]), sort_keys=False)
     sections = [*charts, f"<h2>Config</h2><pre>{html.escape(config)}</pre>"]
     return _page(f"run {record['run_id']}", subtitle, sections)
+
+
+def _shown_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config as a page shows it. relay refuses a tracking URI with credentials in it, but
+    a run recorded before it did may hold one, and a page is made to be passed around: its
+    userinfo and secret query values are shown as `***`."""
+    mlflow = (config.get("tracking") or {}).get("mlflow") or {}
+    if not mlflow.get("uri"):
+        return config
+    shown = {**mlflow, "uri": redacted_uri(mlflow["uri"])}
+    return {**config, "tracking": {**config["tracking"], "mlflow": shown}}
 
 
 def _trial_histories(storage: Path, view: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:

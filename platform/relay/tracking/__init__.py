@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relay.config import redacted_uri
 from relay.sweep_records import sweeps_root
 from relay.tracking import failures, mlflow_runs, tensorboard
 from relay.tracking.metrics import numeric_metrics
@@ -184,7 +185,9 @@ def mirror_alias(storage: Path, version: dict[str, Any], alias: str, *, remove: 
     try:
         mlflow_runs.set_alias(mlflow["uri"], name, version["version"], alias, remove=remove)
     except Exception as error:  # the alias stands in relay either way
-        return f"relay: MLflow at {mlflow['uri']} did not take the alias ({error})"
+        shown = redacted_uri(mlflow["uri"])
+        reason = str(error).replace(mlflow["uri"], shown)
+        return f"relay: MLflow at {shown} did not take the alias ({reason})"
     return f"mlflow: {name}@{alias} {'removed' if remove else 'set'}"
 
 

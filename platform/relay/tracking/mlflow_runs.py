@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import ray.train
 
-from relay.config import flatten
+from relay.config import flatten, redacted_uri
 from relay.tracking import failures
 from relay.tracking.metrics import numeric_metrics
 
@@ -44,6 +44,10 @@ CLIENT_ENV = {
     # MLflow prints "View run ... at" to stdout when a run ends, into relay's own output
     # (and `--json`'s); relay prints the run's address itself.
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+    # MLflow sends usage telemetry from every process that imports it (decided at import, in
+    # mlflow/telemetry); relay's processes send nothing anywhere but the tracking URI. The
+    # processes of a cluster relay starts have it already (cluster.TELEMETRY_OFF).
+    "MLFLOW_DISABLE_TELEMETRY": "true",
 }
 TRACKER = "mlflow"  # its failure mark in a run's (or sweep's) directory: see failures.py
 CHECKPOINT_ARTIFACT = "relay-checkpoint"
@@ -75,11 +79,12 @@ def _call(directory: Path, uri: str, what: str, action: Callable[[], T]) -> T | 
     try:
         return action()
     except Exception as error:  # MLflow's, requests', SQLAlchemy's: all mean "not tracked"
-        reason = " ".join(str(error).split())[:300] or type(error).__name__
+        shown = redacted_uri(uri)  # the mark is a file and a line on the console
+        reason = " ".join(str(error).replace(uri, shown).split())[:300] or type(error).__name__
         failures.mark(
             directory,
             TRACKER,
-            f"relay: MLflow at {uri} failed while {what} ({reason}); training goes on without "
+            f"relay: MLflow at {shown} failed while {what} ({reason}); training goes on without "
             "MLflow for this run, its records stay in relay's own files",
         )
         return None
@@ -88,14 +93,15 @@ def _call(directory: Path, uri: str, what: str, action: Callable[[], T]) -> T | 
 def where(run: dict[str, str]) -> str:
     """The line that says where a tracked run or sweep is: its page on an MLflow server, or
     the database URI (`mlflow ui` shows it)."""
-    return f"mlflow: {run_url(run) or run['uri']} (run {run['run_id']})"
+    return f"mlflow: {run_url(run) or redacted_uri(run['uri'])} (run {run['run_id']})"
 
 
 def run_url(run: dict[str, str]) -> str | None:
     """Where an MLflow server shows the run (None for a database URI: `mlflow ui` shows it)."""
     if not run["uri"].startswith(("http://", "https://")):
         return None
-    return f"{run['uri'].rstrip('/')}/#/experiments/{run['experiment_id']}/runs/{run['run_id']}"
+    base = redacted_uri(run["uri"]).rstrip("/")
+    return f"{base}/#/experiments/{run['experiment_id']}/runs/{run['run_id']}"
 
 
 def flat_params(config: dict[str, Any]) -> dict[str, str]:
