@@ -3,7 +3,8 @@
 A name the user gives (their run config, the command line) is imported as given, from the
 current directory too, like `python -m`. A name a file gives — a checkpoint's meta.json — is
 code chosen by whoever wrote the file: `check_allowed` lets it through only if it is built in
-or the user allowed that very name (`--allow-task`), before anything is imported.
+or the user allowed that very name (`--allow-task`; callers add the task the trusted storage
+root records for that checkpoint's run or model version), before anything is imported.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def _import(spec: str) -> type:
 
 
 def resolve_task_class(name: str) -> type[Task]:
-    """A built-in name, or "package.module:Class" naming a Task subclass."""
+    """A built-in name, or "package.module:Class" naming a Task subclass. For names the user
+    gives; one read from a file passes `check_allowed` first."""
     if name in BUILTIN:
         return _import(BUILTIN[name])
     if ":" not in name:
