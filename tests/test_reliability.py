@@ -39,6 +39,7 @@ from support import (
 import relay
 from relay import checkpoint, history, registry
 from relay.config import from_dict
+from relay.doctor import heartbeat
 from relay.tasks import build_task
 
 pytestmark = pytest.mark.slow
@@ -67,6 +68,8 @@ def kill_config(storage: Path):
             "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
             "checkpoint": {"every": 1, "keep": 2},
             "failure": {"max_failures": 10},
+            # A validation pass long enough (~40 batches) for a kill to be aimed into it.
+            "data": {"val_fraction": 0.4},
             "storage": str(storage),
         }
     )
@@ -80,6 +83,7 @@ class Kill:
     epoch: int  # the highest epoch in history then
     registered: int | None  # the epoch of the latest checkpoint Ray Train had registered then
     phase: str  # what the run was doing, seen from outside (see `_phase`)
+    aim: str = ""  # the moment the killer waited for (`AIMS`)
     at: float = 0.0  # time.time() of the kill
     landed: bool = False  # the process is gone
 
@@ -97,16 +101,27 @@ def _checkpoint_in_flight(since: float) -> bool:
     return any(_ctime(path) >= since - 0.01 for path in glob.glob(pattern))
 
 
-def _phase(lines: list[dict], registered: int | None) -> str:
-    """Where the run was when a kill struck, from what it leaves on disk: rank 0 appends an
-    epoch to history, writes its checkpoint (`_checkpoint_in_flight`), reports it, and then
-    the controller registers it; then the next epoch trains."""
-    last = lines[-1]
-    if _checkpoint_in_flight(last["time"]):
+def _rank_progress(run_dir: Path, pid: int) -> dict:
+    """The progress file of the rank in process `pid` (phase, epoch), {} if none says so."""
+    records = heartbeat.read_all(run_dir)
+    return next((r for r in records if r.get("pid") == pid), {})
+
+
+def _phase(run_dir: Path, lines: list[dict], registered: int | None, pid: int) -> str:
+    """Where the run was when a kill of `pid` struck, from what it leaves on disk: each rank
+    writes its phase (a training pass, a validation pass, the report) to its progress file as
+    it starts it; rank 0 then appends the epoch to history, writes its checkpoint to a staging
+    dir (`_checkpoint_in_flight`) and reports it, and the controller registers it."""
+    if _checkpoint_in_flight(lines[-1]["time"]):
         return "checkpoint-write"
-    if registered is None or registered < last["epoch"]:
+    phase = _rank_progress(run_dir, pid).get("phase")
+    if phase == "train":
+        return "training-step"
+    if phase == "val":
+        return "validation"
+    if registered is None or registered < lines[-1]["epoch"]:
         return "checkpoint-unregistered"
-    return "training-step"
+    return f"between-epochs ({phase})"
 
 
 def _ctime(path: str) -> float:
@@ -116,16 +131,24 @@ def _ctime(path: str) -> float:
         return 0.0
 
 
-class WorkerKiller(threading.Thread):
-    """SIGKILLs a random live RayTrainWorker process `count` times. Each kill waits for new
-    progress (a history line for an epoch past the previous kill's), then for a moment drawn
-    at random: a third of the time as soon as (+0-20 ms) the checkpoint after that line is being
-    written, a third within 0.15 s of the line (checkpoint write, report, registration), a
-    third anywhere in the next 1.2 epochs."""
+# What each kill aims at, in turn (run 0 from the first, run 1 from the third): the moments
+# where what a restart must redo differs. Validation, the shortest, is aimed at most often.
+AIMS = ("validation", "training-step", "checkpoint-write", "validation", "anywhere")
 
-    def __init__(self, storage: Path, count: int, epoch_s: float, rng: random.Random) -> None:
+
+class WorkerKiller(threading.Thread):
+    """SIGKILLs a live RayTrainWorker process `count` times, each after new progress (a history
+    line for an epoch past the previous kill's), aiming in turn (`AIMS`, from `first_aim`) at a
+    moment of a training pass, of a checkpoint write (as soon as its staging dir appears), of a
+    validation pass (as soon as a rank's progress file says it started one), or anywhere in the
+    next 1.2 epochs. Where each kill really struck is read from disk when it lands (`_phase`)."""
+
+    def __init__(
+        self, storage: Path, count: int, epoch_s: float, rng: random.Random, first_aim: int = 0
+    ) -> None:
         super().__init__(daemon=True)
         self.storage, self.count, self.epoch_s, self.rng = storage, count, epoch_s, rng
+        self.first_aim = first_aim
         self.kills: list[Kill] = []
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -136,6 +159,33 @@ class WorkerKiller(threading.Thread):
         except BaseException as exc:  # surfaced by the test
             self.error = exc
 
+    def _await_moment(self, aim: str, run_dir: Path, lines: list[dict]) -> int | None:
+        """Wait for a moment `aim` names (at most 2 epochs); the pid to kill then, or None
+        for any rank."""
+        deadline = time.monotonic() + 2 * self.epoch_s
+        if aim == "anywhere":
+            self.stop.wait(self.rng.uniform(0.0, 1.2 * self.epoch_s))
+            return None
+        if aim == "checkpoint-write":
+            while not _checkpoint_in_flight(lines[-1]["time"]):
+                if time.monotonic() > deadline or self.stop.wait(0.002):
+                    return None
+            return None
+        phase = "train" if aim == "training-step" else "val"
+        after = lines[-1]["epoch"]
+        while time.monotonic() < deadline and not self.stop.is_set():
+            started = [
+                r
+                for r in heartbeat.read_all(run_dir)
+                if r.get("phase") == phase and (r.get("epoch") or 0) > after
+            ]
+            if started:
+                if aim == "training-step":  # somewhere in the pass, not only at its start
+                    self.stop.wait(self.rng.uniform(0.0, 0.3 * self.epoch_s))
+                return self.rng.choice(started)["pid"]
+            time.sleep(0.002)
+        return None
+
     def _run(self) -> None:
         past_epoch = 0
         while len(self.kills) < self.count and not self.stop.is_set():
@@ -143,30 +193,24 @@ class WorkerKiller(threading.Thread):
             if not lines or max(e["epoch"] for e in lines) <= past_epoch:
                 time.sleep(0.02)
                 continue
-            mode, since = self.rng.randrange(3), time.time()
-            if mode == 0:
-                deadline = time.monotonic() + 2 * self.epoch_s
-                while not _checkpoint_in_flight(lines[-1]["time"]):
-                    if time.monotonic() > deadline or self.stop.wait(0.002):
-                        break
-                delay = self.rng.uniform(0.0, 0.02)
-            else:
-                delay = self.rng.uniform(0.0, 0.15 if mode == 1 else 1.2 * self.epoch_s)
-            if self.stop.wait(delay):
+            aim = AIMS[(self.first_aim + len(self.kills)) % len(AIMS)]
+            since = time.time()
+            target = self._await_moment(aim, run_dir, lines)
+            if self.stop.is_set():
                 return
             delay = time.time() - since
             pids = train_worker_pids()
             if not pids:
                 continue
-            pid = self.rng.choice(pids)
+            pid = target if target in pids else self.rng.choice(pids)
             _, lines = _history_lines(self.storage)
             latest = checkpoint.latest_registered(run_dir)
             registered = latest[1] if latest else None
             epoch = max(e["epoch"] for e in lines)
             if epoch >= KILL_EPOCHS:
                 return  # the run is finishing: leave the last kills undone (the test says so)
-            kill = Kill(pid, round(delay, 3), len(lines), epoch, registered, "")
-            kill.phase = _phase(lines, registered)
+            kill = Kill(pid, round(delay, 3), len(lines), epoch, registered, "", aim)
+            kill.phase = _phase(run_dir, lines, registered, pid)
             try:
                 kill.at = time.time()
                 os.kill(pid, signal.SIGKILL)
@@ -203,9 +247,14 @@ def _restarts(raw: list[dict], kills: list[Kill]) -> list[dict]:
 FINAL_METRICS = ("train_loss", "val_loss", "val_accuracy", "train_accuracy")
 
 
-@pytest.mark.timeout(420)
+KILLS_PER_RUN = (5, 5)
+
+
+@pytest.mark.timeout(540)
 def test_sigkilled_workers_at_random_moments(ray_cluster, tmp_path):
-    """4 SIGKILLs of a random worker (rank 0 or 1) at random moments of one run.
+    """10 SIGKILLs of a worker (rank 0 or 1) over 2 runs, aimed in turn mid-step, mid-checkpoint
+    write, mid-validation and anywhere; where each struck is recorded, and each of the first
+    three must have happened.
 
     Tolerance of every epoch's metrics against an uninterrupted run: rel 1e-5 (losses, lr) and
     exact accuracies. A resumed run is the same computation: weights and AdamW moments come
@@ -219,9 +268,9 @@ def test_sigkilled_workers_at_random_moments(ray_cluster, tmp_path):
     rng = random.Random(20240608)
     started = time.time()
     tallies = []
-    for number, count in enumerate((4,)):  # one run: CI time (two ran 7 kills, 190 s)
+    for number, count in enumerate(KILLS_PER_RUN):
         storage = tmp_path / f"killed-{number}"
-        killer = WorkerKiller(storage, count, epoch_s, rng)
+        killer = WorkerKiller(storage, count, epoch_s, rng, first_aim=2 * number)
         killer.start()
         try:
             result = relay.train(kill_config(storage), out=None)
@@ -273,13 +322,16 @@ def test_sigkilled_workers_at_random_moments(ray_cluster, tmp_path):
         print(
             f"reliability: run {number}: history epochs {[e['epoch'] for e in raw]}; kills "
             + "; ".join(
-                f"pid {k.pid} at epoch {k.epoch} (+{k.delay_s}s, {k.phase}, registered "
+                f"pid {k.pid} at epoch {k.epoch} (+{k.delay_s}s, aimed at {k.aim}, struck "
+                f"{k.phase}, registered "
                 f"{k.registered}) -> resumed at "
                 f"{r['resumed_at'] or 'the next epoch, seamless'}"
                 for k, r in zip(ks, rs, strict=True)
             )
         )
-    assert len(kills) == 4
+    assert len(kills) == sum(KILLS_PER_RUN), [(k.aim, k.phase) for k in kills]
+    # Among them a kill mid-step, one while a checkpoint was being written, one mid-validation.
+    assert {"training-step", "checkpoint-write", "validation"} <= set(phases), phases
 
 
 # --- damaged checkpoints given to the CLI ---------------------------------------------------------
