@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ import yaml
 from support import (
     BIN,
     REPO,
+    cli_in_fresh_interpreter,
     free_port,
     process_gone,
     stop_session,
@@ -385,56 +387,54 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
 
 @pytest.mark.timeout(240)
 def test_damaged_checkpoints_fail_in_one_line(ray_cluster, tmp_path):
-    """Each damage x `relay serve`, `relay train --resume`, `relay runs show`: exit non-zero,
-    one stderr line naming the damaged file, no traceback, well within the timeout (the
-    checks run before any cluster work; a hang would hit the timeout)."""
+    """Each damage x `relay serve`, `relay train --resume`, `relay runs show`: the exit code
+    the README documents, one stderr line naming the damaged file, no traceback, and no Ray
+    started (the checks run before any cluster work). One run, a copy of its storage root per
+    damage, and all 9 commands in one fresh interpreter."""
     storage = tmp_path / "storage"
     run = relay.train(from_dict(small_config(storage)), out=None)
-    config_file = tmp_path / "small.yaml"
-    config_file.write_text(yaml.safe_dump(small_config(storage)))
     record_before = registry.read(Path(run.run_dir))
     checkpoints = {
-        run.checkpoint,
-        run.last_checkpoint,
-        str(checkpoint.latest_registered(run.run_dir)[0]),
+        Path(run.checkpoint),
+        Path(run.last_checkpoint),
+        checkpoint.latest_registered(run.run_dir)[0],
     }
     # Each command with the exit code the README documents for a damaged checkpoint.
-    commands = {
-        "serve": (["serve", run.run_id, "--port", str(free_port())], 2),
-        "train --resume": (["train", str(config_file), "--resume", run.run_id], 2),
-        "runs show": (["runs", "show", run.run_id], 1),
-    }
-    # Each command would start a local Ray cluster of its own here (RAY_ADDRESS=local); its
-    # session files would appear under RAY_TMPDIR. None may: the checks come first.
-    ray_tmp = tmp_path / "ray-tmp"
-    handled = []
-    for case, (name, damage) in CORRUPTIONS.items():
-        saved = {d: (Path(d) / name).read_bytes() for d in checkpoints}
+    expected = {"serve": 2, "train --resume": 2, "runs show": 1}
+    cases, copies = {}, {}
+    for number, (case, (name, damage)) in enumerate(CORRUPTIONS.items()):
+        copy = copies[case] = tmp_path / f"damaged-{number}"
+        shutil.copytree(storage, copy)
         for directory in checkpoints:
-            damage(Path(directory) / name)
-        try:
-            procs = {
-                what: (_relay(*args, storage=storage, RAY_TMPDIR=str(ray_tmp)), expected)
-                for what, (args, expected) in commands.items()
-            }
-            for what, (proc, expected) in procs.items():
-                code, _, err = _finish(proc, timeout=60)
-                lines = err.strip().splitlines()
-                assert code == expected, (case, what, err)
-                assert "Traceback" not in err, (case, what, err)
-                assert len(lines) == 1 and name in lines[0], (case, what, err)
-                handled.append((case, what, code, lines[0]))
-        finally:
-            for directory, content in saved.items():
-                (Path(directory) / name).write_bytes(content)
-        # A refused resume leaves the run as it was, and no command started Ray.
-        assert registry.read(Path(run.run_dir)) == record_before
-        assert not ray_tmp.exists(), sorted(p.name for p in ray_tmp.rglob("*"))[:10]
+            damage(copy / directory.relative_to(storage) / name)
+        config_file = tmp_path / f"damaged-{number}.yaml"
+        config_file.write_text(yaml.safe_dump(small_config(copy)))
+        commands = {
+            "serve": ["serve", run.run_id, "--port", str(free_port()), "--storage", str(copy)],
+            "train --resume": ["train", str(config_file), "--resume", run.run_id],
+            "runs show": ["runs", "show", run.run_id, "--storage", str(copy)],
+        }
+        cases |= {f"{case} | {what}": argv for what, argv in commands.items()}
+    # A command that started a local Ray cluster would leave its session under RAY_TMPDIR.
+    ray_tmp = tmp_path / "ray-tmp"
+    results = cli_in_fresh_interpreter(cases, cwd=REPO, env=subprocess_env(RAY_TMPDIR=str(ray_tmp)))
+    handled = []
+    for key in cases:
+        case, what = key.split(" | ")
+        code, err = results[key]["code"], results[key]["stderr"]
+        lines = err.strip().splitlines()
+        assert code == expected[what], (case, what, err)
+        assert "Traceback" not in err, (case, what, err)
+        assert len(lines) == 1 and CORRUPTIONS[case][0] in lines[0], (case, what, err)
+        handled.append((case, what, code, lines[0]))
+    assert not results["ray_initialized"] and not ray_tmp.exists()
+    for case, copy in copies.items():  # a refused resume leaves the run as it was
+        assert registry.read(copy / "runs" / run.run_id) == record_before, case
 
-    # Repaired, the same commands find nothing wrong: the checks tell damage from health.
+    # Undamaged, the same commands find nothing wrong: the checks tell damage from health.
     code, out, err = _finish(_relay("runs", "show", run.run_id, storage=storage), timeout=60)
     assert code == 0 and run.run_id in out, err
-    print(f"\nreliability: damaged-checkpoint cases handled {len(handled)}/{3 * len(CORRUPTIONS)}")
+    print(f"\nreliability: damaged-checkpoint cases handled {len(handled)}/{len(cases)}")
     for case, what, code, line in handled:
         print(f"reliability:   {case:<30} relay {what:<15} exit {code}: {line[:150]}")
 
