@@ -343,3 +343,16 @@ def test_narrower_widths_of_a_datatype_are_accepted():
     request["inputs"][0]["datatype"] = "FP32"
     rows = instances_from_infer_request(request, resolve_task_class("digits").Instance, MAX)
     assert rows == [{"pixels": image} for image in digits_images(2)]
+
+
+@pytest.mark.parametrize(
+    "text, kind",
+    [("[" * 100_000, "too_deep"), ("[" + "{}," * 100 + "{}]", "too_many_values")],
+)
+def test_a_json_element_too_deep_or_too_big_is_a_422_naming_it(text, kind):
+    """A BYTES-JSON element is parsed as a body is, within a budget: 10⁵ nested `[` were a
+    RecursionError (a 500), a row of empty objects ~20× its bytes in memory."""
+    tags = {"name": "tags", "shape": [2], "datatype": "BYTES", "data": ["{}", text]}
+    error = refused({"inputs": [tags]}, TaggedInstance)
+    assert error.status == 422
+    assert (error.detail[0]["loc"], error.detail[0]["type"]) == ("inputs.tags.1", kind)

@@ -24,6 +24,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from relay.serving import json_limits
+
 # JSON-schema scalar types → v2 datatypes. Floats are FP64: a pydantic float is a Python float
 # (a double) and JSON numbers are doubles, so FP64 states what relay keeps and returns; FP32
 # would promise a rounding relay never does (a model's own float32 cast is its business).
@@ -249,10 +251,14 @@ def _element(spec: TensorSpec, value: Any, at: tuple[int, ...]) -> Any:
     if not ok:
         expected, kind = EXPECTED[spec.datatype]
         raise _fail(loc, f"expected {expected}", kind)
-    if spec.as_json:
+    if spec.as_json:  # its structure bounded as a body's is (relay/serving/json_limits.py)
+        try:
+            json_limits.check(value, json_limits.CONTAINERS_PER_INSTANCE)
+        except json_limits.TooMuchJSON as exc:
+            raise _fail(loc, str(exc), exc.kind) from None
         try:
             return json.loads(value)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise _fail(loc, f"expected JSON text: {exc}", "json_invalid") from None
     return value
 
