@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import math
 import re
 import shutil
@@ -256,6 +257,7 @@ def test_metadata_health_and_docs(base_url):
     meta = response.json()
     assert meta["ready"] is True and meta["name"] == "digits" and meta["task"] == "digits"
     assert meta["version"] == 1 and meta["reference"] == "digits:1"
+    assert "checkpoint" not in meta  # where its files lie is the server's business
     assert requests.get(f"{base_url}/healthz", timeout=TIMEOUT).json() == {"status": "ok"}
     docs = requests.get(f"{base_url}/docs", timeout=TIMEOUT)
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
@@ -326,7 +328,23 @@ BAD_REQUESTS = {
     ),
     "malformed JSON": (b'{"instances": [[1, 2', 400, None, "malformed JSON"),
     "not JSON at all": (b"\xff\xfe garbage", 400, None, "malformed JSON"),
-    "nesting deeper than Python recurses": (b"[" * 10_000, 400, None, "malformed JSON"),
+    # Bounded before parsing (relay/serving/json_limits.py): deeper than Python recurses was a
+    # 400 from a RecursionError; deeper than 32 is refused by its depth.
+    "nesting deeper than Python recurses": (b"[" * 10_000, 422, "body", "nested deeper"),
+    "nesting 100 deep": (
+        b'{"instances": [' + b"[" * 100 + b"]" * 100 + b"]}",
+        422,
+        "body",
+        "nested deeper",
+    ),
+    # ~20x its bytes once parsed: refused by its count of objects, before parsing (this used
+    # to be parsed whole, then refused for its count of instances).
+    "a body of empty objects": (
+        b'{"instances": [' + b"{}," * 5000 + b"{}]}",
+        413,
+        "body",
+        "JSON objects and arrays",
+    ),
     "a 5000-digit number": (b'{"instances": [[' + b"1" * 5000 + b"]]}", 400, None, "malformed"),
     "a body over the limit": (b"[" + b"0," * MAX_BODY_BYTES + b"0]", 413, None, "exceeds"),
 }
@@ -398,6 +416,53 @@ def test_a_huge_body_gets_its_413_not_a_reset(base_url, storage, case):
     size, chunked = HUGE_BODIES[case]
     answer = post_raw(base_url, size, chunked)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert_still_serving(base_url, storage)
+
+
+def exchange(base_url: str, raw: bytes) -> bytes:
+    """Send `raw` bytes as they are (a client no library would be) and return everything the
+    server answers until it closes the connection or goes quiet for 5 s."""
+    host, port = base_url.removeprefix("http://").split("/")[0].split(":")
+    answer = b""
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        sock.sendall(raw)
+        sock.settimeout(5)
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            while data := sock.recv(65536):
+                answer += data
+    return answer
+
+
+def framed(headers: str, body: bytes, then: bytes = b"") -> bytes:
+    return (
+        b"POST /v1/models/digits:predict HTTP/1.1\r\nHost: relay\r\n"
+        + b"Content-Type: application/json\r\n" + headers.encode() + b"\r\n" + body + then
+    )  # fmt: skip
+
+
+VALID_BODY = json.dumps({"instances": [VALID]}).encode()
+# A second request hidden after the first one's body, as one of two parsers would see it.
+SMUGGLED = b"GET /v1/models/smuggled HTTP/1.1\r\nHost: relay\r\n\r\n"
+AMBIGUOUS_FRAMING = {  # name: (headers, body)
+    "two different Content-Lengths": (
+        f"Content-Length: {len(VALID_BODY)}\r\nContent-Length: 2\r\n",
+        VALID_BODY,
+    ),
+    "Content-Length beside chunked": (
+        "Content-Length: 4\r\nTransfer-Encoding: chunked\r\n",
+        b"%x\r\n%b\r\n0\r\n\r\n" % (len(VALID_BODY), VALID_BODY),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(AMBIGUOUS_FRAMING))
+def test_an_ambiguous_body_length_is_refused_and_nothing_is_smuggled(base_url, storage, case):
+    """Two Content-Lengths, or one beside chunked: a 400 (no front end and replica may each
+    pick another end of the body), and whatever follows is never answered as a request."""
+    headers, body = AMBIGUOUS_FRAMING[case]
+    answer = exchange(base_url, framed(headers, body, then=SMUGGLED))
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:300]
+    assert answer.count(b"HTTP/1.1 ") == 1 and b"smuggled" not in answer, answer
     assert_still_serving(base_url, storage)
 
 
@@ -642,6 +707,66 @@ def test_regression_checks_the_feature_count(ray_cluster, base_url, storage):
     assert math.isclose(served["value"], expected["value"], rel_tol=1e-5, abs_tol=1e-6)
     response = predict(f"{base_url}/regression", {"instances": [features[:7]]}, name="regression")
     assert response.status_code == 422 and "expected 8 features" in response.text
+
+
+@pytest.fixture(scope="module")
+def by_directory(ray_cluster, base_url, storage):
+    """digits served by its checkpoint directory (an absolute path) at /bydir, one request in
+    flight and one waiting at most."""
+    from ray import serve
+
+    directory = registry.resolve_model(storage, "digits:best").checkpoint
+    deploy(
+        ray_cluster, storage, "/bydir", model=str(directory), name="digits",
+        max_ongoing_requests=1, max_queued_requests=1,
+    )  # fmt: skip
+    try:
+        yield f"{base_url}/bydir", directory
+    finally:
+        serve.delete("bydir")
+
+
+def test_no_answer_shows_where_the_checkpoint_lies(by_directory):
+    """A model served from its directory: /v1/models and the version header name it by its
+    run and checkpoint, never by the server's absolute path."""
+    url, directory = by_directory
+    listed = requests.get(f"{url}/v1/models", timeout=TIMEOUT)
+    answer = predict(url, {"instances": [VALID]})
+    v2 = requests.get(f"{url}/v2/models/digits", timeout=TIMEOUT)
+    assert listed.status_code == answer.status_code == v2.status_code == 200, listed.text
+    shown = "/".join(Path(directory).parts[-2:])
+    (meta,) = listed.json()["models"]
+    assert meta["reference"] == meta["version"] == shown and "checkpoint" not in meta, meta
+    assert answer.headers["x-model-version"] == shown and v2.json()["versions"] == [shown]
+    for text in (listed.text, str(answer.headers), v2.text):
+        assert str(Path(directory).parent) not in text, text
+
+
+def test_requests_beyond_those_in_flight_and_waiting_get_503(by_directory, storage):
+    """Two requests whose bodies are still arriving hold the replica's one slot and the one
+    place in its queue; the next is refused at once (Serve's backpressure, 503) rather than
+    waiting without bound; the two are answered once their bodies are in."""
+    url, _ = by_directory
+    host, port = url.removeprefix("http://").split("/")[0].split(":")
+    head = (
+        f"POST /bydir/v1/models/digits:predict HTTP/1.1\r\nHost: relay\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(VALID_BODY)}\r\n\r\n"
+    ).encode()
+    slow = [socket.create_connection((host, int(port)), timeout=TIMEOUT) for _ in range(2)]
+    try:
+        for sock in slow:
+            sock.sendall(head + VALID_BODY[:10])
+            time.sleep(1)  # in order: the first takes the slot, the second the queue
+        refused = predict(url, {"instances": [VALID]})
+        assert refused.status_code == 503, refused.text
+        for sock in slow:
+            sock.sendall(VALID_BODY[10:])
+        for sock in slow:
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 "), "a held request failed"
+    finally:
+        for sock in slow:
+            sock.close()
+    assert predict(url, {"instances": [VALID]}).status_code == 200
 
 
 def test_deploy_config_is_valid_and_its_application_serves(ray_cluster, base_url, storage):

@@ -10,11 +10,14 @@ listen on (`ss`), HAProxy's own config file, the files it keeps, the processes o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import time
@@ -25,14 +28,19 @@ import requests
 import torch
 from support import REPO, free_port, session_members, stop_session, subprocess_env
 from test_serve import (
+    AMBIGUOUS_FRAMING,
     BAD_REQUESTS,
     HUGE_BODIES,
     MAX_BODY_BYTES,
     MAX_INSTANCES,
+    SMUGGLED,
+    VALID_BODY,
     Load,
     assert_matches,
     assert_still_serving,
     check_bad_request,
+    exchange,
+    framed,
     images,
     make_version,
     offline_predictions,
@@ -70,13 +78,15 @@ def installed(tmp_path_factory) -> Path:
     return site
 
 
-def start_server(site: Path, cwd: Path, *args: str) -> tuple[subprocess.Popen, list[str]]:
-    """`relay serve ...` in a new session; returns it and its stdout lines up to the example
-    curl line (the last of the start-up block)."""
+def start_server(
+    site: Path, cwd: Path, *args: str, **env: str
+) -> tuple[subprocess.Popen, list[str]]:
+    """`relay serve ...` in a new session (`env`: variables for it besides relay's); returns it
+    and its stdout lines up to the example curl line (the last of the start-up block)."""
     server = subprocess.Popen(
         [sys.executable, "-m", "relay.cli", "serve", *args],
         cwd=cwd,
-        env=subprocess_env(PYTHONPATH=str(site)),
+        env=subprocess_env(PYTHONPATH=str(site), **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -152,6 +162,7 @@ def check_predictions(base: str, storage: Path, ref: str = "digits:best") -> Non
     assert_matches(response.json()["predictions"], expected)
 
 
+REQUEST_TIMEOUT_S = 3
 LIMITS = ("--max-body-bytes", str(MAX_BODY_BYTES), "--max-instances", str(MAX_INSTANCES))
 
 
@@ -162,7 +173,9 @@ def haproxy_server(installed, storage, tmp_path_factory):
     port = free_port()
     cwd = tmp_path_factory.mktemp("elsewhere")
     at = ("--storage", str(storage), "--port", str(port), "--replicas", "2")
-    server, lines = start_server(installed, cwd, "digits:best", *at, *LIMITS)
+    # A short `timeout http-request` (relay's default: 10 s), so the slow client's test is quick.
+    timeout = {"RELAY_HAPROXY_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S)}
+    server, lines = start_server(installed, cwd, "digits:best", *at, *LIMITS, **timeout)
     try:
         yield server, f"http://127.0.0.1:{port}", lines
     finally:
@@ -226,6 +239,56 @@ def test_a_huge_body_through_haproxy_gets_its_413(haproxy_server, storage, case)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
     assert b"\r\nx-model-version: 1\r\n" in answer.lower(), answer[:300]
     assert_still_serving(base, storage)
+
+
+def test_two_content_lengths_get_haproxys_400(haproxy_server, storage):
+    _, base, _ = haproxy_server
+    headers, body = AMBIGUOUS_FRAMING["two different Content-Lengths"]
+    answer = exchange(base, framed(headers, body, then=SMUGGLED))
+    # HAProxy's parser refuses it, with its own HTML page (2.8 applies no errorfile there).
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:300]
+    assert answer.count(b"HTTP/1.1 ") == 1 and b"smuggled" not in answer, answer
+    assert_still_serving(base, storage)
+
+
+def test_content_length_beside_chunked_smuggles_nothing_through_haproxy(haproxy_server, storage):
+    """HAProxy settles this one itself (RFC 9112 6.3): it drops the Content-Length, reads
+    the body as chunked, answers it and closes the connection, so what follows the body is
+    never read as a request."""
+    _, base, _ = haproxy_server
+    headers, body = AMBIGUOUS_FRAMING["Content-Length beside chunked"]
+    answer = exchange(base, framed(headers, body, then=SMUGGLED))
+    assert answer.startswith((b"HTTP/1.1 200 ", b"HTTP/1.1 400 ")), answer[:300]
+    assert answer.count(b"HTTP/1.1 ") == 1 and b"smuggled" not in answer, answer
+    assert_still_serving(base, storage)
+
+
+@pytest.mark.parametrize("sent", ["headers only", "half the body"])
+def test_a_client_too_slow_to_send_its_request_gets_a_408(haproxy_server, storage, sent):
+    """HAProxy's `timeout http-request` (relay adds it; Serve's template has none) covers the
+    body as well as the headers: a client that stops sending is answered 408 and let go,
+    rather than holding its connection and a replica's in-flight slot for an hour."""
+    _, base, _ = haproxy_server
+    raw = framed(f"Content-Length: {len(VALID_BODY)}\r\n", VALID_BODY)
+    partial = raw.partition(b"\r\n\r\n")[0] if sent == "headers only" else raw[:-20]
+    answer = exchange_silent(base, partial, wait_s=REQUEST_TIMEOUT_S + 60)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:300]
+    if sent == "half the body":  # incomplete headers get HAProxy 2.8's built-in page
+        assert "error" in json.loads(answer.partition(b"\r\n\r\n")[2]), answer
+    assert_still_serving(base, storage)
+
+
+def exchange_silent(base: str, raw: bytes, wait_s: float) -> bytes:
+    """Send `raw` and then nothing; what the server answers before it closes (b"" if it never
+    does within `wait_s`, far beyond the timeout under test)."""
+    host, port = base.removeprefix("http://").split(":")
+    answer = b""
+    with socket.create_connection((host, int(port)), timeout=wait_s) as sock:
+        sock.sendall(raw)
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            while data := sock.recv(65536):
+                answer += data
+    return answer
 
 
 def replica_pids(server: subprocess.Popen) -> list[int]:
@@ -415,6 +478,39 @@ def test_a_version_no_replica_can_load_is_refused_before_the_swap(
     versions = replica_stats(base, "digits", len(replicas))
     assert {version for version, _ in versions.values()} == {serving}, versions
     check_predictions(base, storage, f"digits:{serving}")
+
+
+def test_the_record_is_private_and_deploy_checks_it_against_the_cluster(
+    haproxy_server, installed, storage, tmp_path
+):
+    """`relay serve`'s record (mode 0600, its pid with its start time) steers `relay deploy`
+    only as far as the live cluster confirms it: a record whose runtime_env the replicas do
+    not run with (edited, or left by another server) is refused, and nothing changes."""
+    server, base, _ = haproxy_server
+    port = base.rsplit(":", 1)[1]
+    path = storage / "serving" / f"127.0.0.1_{port}.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    original = path.read_text()
+    recorded = json.loads(original)
+    assert recorded["pid"] == server.pid and recorded["pid_start"].isdigit(), recorded
+    tampered = {**recorded, "runtime_env": {"env_vars": {"PYTHONPATH": str(tmp_path)}}}
+    path.write_text(json.dumps(tampered))
+    serving = requests.get(f"{base}/v1/models/digits", timeout=30).json()["version"]
+    try:
+        deploy = subprocess.run(
+            [sys.executable, "-m", "relay.cli", "deploy", "digits:best", "--port", port,
+             "--storage", str(storage)],
+            cwd=tmp_path,
+            env=subprocess_env(PYTHONPATH=str(installed)),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )  # fmt: skip
+    finally:
+        path.write_text(original)
+    assert deploy.returncode == 2, deploy.stdout + deploy.stderr[-3000:]
+    assert "runtime_env the running replicas do not have" in deploy.stderr, deploy.stderr
+    assert requests.get(f"{base}/v1/models/digits", timeout=30).json()["version"] == serving
 
 
 def test_sigterm_leaves_nothing_running(haproxy_server):

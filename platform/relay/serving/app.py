@@ -26,11 +26,18 @@ prediction look like is the task's business (`Task.Instance` / `Task.Prediction`
 64 pixels 0–16 → {"label", "probabilities"}). Every bad request gets a 4xx JSON body
 `{"error": ..., "detail": [{"loc": "instances.0.pixels.3", "msg": ..., "type": ...}]}` and
 never reaches the model: malformed JSON 400, unknown model 404, a body over `max_body_bytes`
-(counted as it arrives, so chunked bodies too) or more than `max_instances` instances 413, any
+(counted as it arrives, so chunked bodies too), more objects and arrays than `max_instances`
+instances need (counted before parsing: relay/serving/json_limits.py) or more than
+`max_instances` instances 413, JSON nested deeper than 32 levels 422, an ambiguous body length
+(two Content-Lengths, or one beside chunked) 400, any
 instance the task's schema rejects (wrong type or shape, missing or unknown field, NaN/inf, out
 of range) 422 naming its index. Valid instances from concurrent requests are run together:
 one forward serves many callers, and a caller alone is not held back for company
-(relay/serving/batching.py; `batching: serve` uses Ray Serve's `@serve.batch` instead).
+(relay/serving/batching.py; `batching: serve` uses Ray Serve's `@serve.batch` instead). A 500
+says only "internal error" and an id; the replica's log has the details under that id. No
+answer shows where a checkpoint lies: a model served from its directory is shown by the last
+two parts of its path. Past `max_ongoing_requests` in flight and `max_queued_requests` waiting,
+a replica answers 503 (Serve's backpressure).
 
 Which ingress carries the requests to the replicas (HAProxy or Serve's Python proxy) is
 relay/serving/ingress.py's business; the application is the same for both.
@@ -41,10 +48,13 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 import time
+import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -68,7 +78,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import relay
 from relay import cluster
 from relay.config import NAME_PATTERN
-from relay.serving import metrics, model_table, staging
+from relay.serving import json_limits, metrics, model_table, staging
 from relay.serving import open_inference as v2
 from relay.serving.batching import AdaptiveBatcher
 from relay.serving.model_table import LoadedModel, ModelInfo
@@ -134,6 +144,11 @@ class AppArgs(ReplicaArgs):
     # replica holds enough requests in flight to fill its batches (RAY-NOTES, 32 clients: 20 →
     # 283 req/s together with the access log off).
     max_ongoing_requests: int = Field(256, ge=1, description="In-flight requests per replica.")
+    # Serve's default (-1) lets requests beyond max_ongoing_requests wait without bound, each
+    # holding its connection and body; past this many waiting, a replica answers 503 at once.
+    max_queued_requests: int = Field(
+        1024, ge=1, description="Requests waiting for a replica's in-flight slot; then 503."
+    )
     access_log: bool = Field(False, description="Log every request (a log line costs time).")
     replica_resources: dict[str, float] | None = Field(
         None,
@@ -259,7 +274,7 @@ class ModelServer:
     async def forward(self, entry: LoadedModel, instances: list[BaseModel]) -> list[dict]:
         """One forward pass of one model over a batch of validated instances."""
         entry.batch_sizes[len(instances)] += 1
-        self.metrics.batch(entry.info.name, entry.version, len(instances))
+        self.metrics.batch(entry.info.name, shown_version(entry), len(instances))
         loop = asyncio.get_running_loop()
         predictions = await loop.run_in_executor(
             self.executor, entry.task.predict, entry.model, instances
@@ -294,8 +309,12 @@ class ModelServer:
         return error(404, f"unknown model {name!r}; this server has {served}")
 
     def metadata(self, entry: LoadedModel) -> dict[str, Any]:
+        info = entry.info  # not its checkpoint: where files lie is no client's business
         return {
-            **entry.info.model_dump(),
+            "name": info.name,
+            "reference": shown(info.reference),
+            "version": shown(info.version),
+            "task": info.task,
             "ready": True,
             "max_batch_size": self.args.max_batch_size,
             "max_instances": self.args.max_instances,
@@ -305,7 +324,7 @@ class ModelServer:
         sizes = entry.batch_sizes
         return {
             "replica": serve.get_replica_context().replica_id.unique_id,
-            "version": entry.info.version,
+            "version": shown(entry.info.version),
             "loaded_before_swap": entry.staged,
             "batches": sum(sizes.values()),
             "instances": sum(size * n for size, n in sizes.items()),
@@ -315,7 +334,7 @@ class ModelServer:
         }
 
     async def predict(self, entry: LoadedModel, body: bytes) -> JSONResponse:
-        payload, malformed = parse_json(body)
+        payload, malformed = parse_json(body, self.args.max_instances)
         if malformed:
             return malformed
         if not isinstance(payload, dict) or not isinstance(payload.get("instances"), list):
@@ -340,7 +359,7 @@ class ModelServer:
 
     async def infer(self, entry: LoadedModel, body: bytes) -> JSONResponse:
         """KServe v2: named tensors → the task's instances → the same forwards as v1."""
-        payload, malformed = parse_json(body)
+        payload, malformed = parse_json(body, self.args.max_instances)
         if malformed:
             return malformed
         schemas = entry.task.Instance, entry.task.Prediction
@@ -355,7 +374,12 @@ class ModelServer:
             return error(exc.status, exc.message, exc.detail)
         predictions = await self.run(entry, instances)
         body = v2.infer_response(
-            entry.info.name, entry.version, payload.get("id"), predictions, schemas[1], outputs
+            entry.info.name,
+            shown_version(entry),
+            payload.get("id"),
+            predictions,
+            schemas[1],
+            outputs,
         )
         return json_or_non_finite(body, predictions, "inputs.*")
 
@@ -370,13 +394,34 @@ class ModelServer:
         return build_http_app(self)
 
 
-def parse_json(body: bytes) -> tuple[Any, JSONResponse | None]:
-    """The body as JSON, or the 400 to answer. The routes parse bodies themselves, not
-    FastAPI, so that every failure gets relay's error shape."""
+def shown(value: int | str) -> int | str:
+    """A model's reference or version as clients see it: a model served from a checkpoint
+    directory has its absolute path as both, and a client learns only the last two parts
+    (the run and the checkpoint, e.g. `digits-a1b2/epoch_0003`), not the server's layout."""
+    if isinstance(value, str) and os.path.isabs(value):
+        return "/".join(Path(value).parts[-2:])
+    return value
+
+
+def shown_version(entry: LoadedModel) -> str:
+    """What `x-model-version`, the metrics and the v2 API call `entry`'s version."""
+    return str(shown(entry.info.version))
+
+
+def parse_json(body: bytes, max_instances: int) -> tuple[Any, JSONResponse | None]:
+    """The body as JSON, or the 4xx to answer. The routes parse bodies themselves, not
+    FastAPI, so that every failure gets relay's error shape. Its structure is bounded before
+    it is parsed (relay/serving/json_limits.py): objects and arrays by what `max_instances`
+    instances need (413), their nesting (422)."""
+    try:
+        json_limits.check(body, json_limits.body_budget(max_instances))
+    except json_limits.TooMuchJSON as exc:
+        detail = [{"loc": "body", "msg": str(exc), "type": exc.kind}]
+        return None, error(exc.status, f"refused: {exc}", detail)
     try:
         return json.loads(body), None
-    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, a 5000-digit number,
-        return None, error(400, f"malformed JSON: {exc}")  # nesting deeper than Python recurses
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, a 5000-digit number
+        return None, error(400, f"malformed JSON: {exc}")
 
 
 def json_or_non_finite(body: Any, predictions: list[Any], loc: str) -> JSONResponse:
@@ -440,8 +485,8 @@ class ModelResponses:
         if entry is None:
             return await self.app(scope, receive, send)
         counted = name in table  # not /healthz, /docs, or an unknown name
-        default = (VERSION_HEADER.encode(), entry.version.encode())
-        start, status, version = time.perf_counter(), 500, entry.version
+        default = (VERSION_HEADER.encode(), shown_version(entry).encode())
+        start, status, version = time.perf_counter(), 500, shown_version(entry)
         started = False
 
         async def noting(message) -> None:
@@ -463,19 +508,23 @@ class ModelResponses:
                 raise
             # Answered here: FastAPI's handler for Exception runs outside every middleware
             # (Starlette's ServerErrorMiddleware), where this one could not add the version.
-            logger.exception("internal error answering %s", scope["path"])
-            await internal_error(exc)(scope, receive, noting)
+            await internal_error(exc, scope["path"])(scope, receive, noting)
         finally:
             if counted:
                 self.server.metrics.request(name, version, status, time.perf_counter() - start)
 
 
-def internal_error(exc: Exception) -> JSONResponse:
-    return error(500, f"internal error: {type(exc).__name__}: {exc}")
+def internal_error(exc: Exception, path: str) -> JSONResponse:
+    """A 500 that tells the client nothing of the server (an exception's text can hold paths,
+    parts of the model, of other requests): a generic message and an id, under which the
+    replica's log has the whole traceback."""
+    incident = uuid.uuid4().hex[:16]
+    logger.error("internal error %s answering %s", incident, path, exc_info=exc)
+    return error(500, f"internal error (id {incident}; the server's log has the details)")
 
 
 def answered_by(entry: LoadedModel, response: JSONResponse) -> JSONResponse:
-    response.headers[VERSION_HEADER] = entry.version
+    response.headers[VERSION_HEADER] = shown_version(entry)
     return response
 
 
@@ -500,7 +549,7 @@ def build_http_app(server: ModelServer) -> FastAPI:
 
     @api.exception_handler(Exception)  # requests about a model: ModelResponses answers
     async def unhandled(request: Request, exc: Exception) -> JSONResponse:
-        return internal_error(exc)
+        return internal_error(exc, request.url.path)
 
     @api.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -556,7 +605,11 @@ def build_http_app(server: ModelServer) -> FastAPI:
         if (entry := server.entry(name)) is None:
             return server.unknown(name)
         body = v2.model_metadata(
-            name, [entry.version], PLATFORM, entry.task.instance_schema(), entry.task.Prediction
+            name,
+            [shown_version(entry)],
+            PLATFORM,
+            entry.task.instance_schema(),
+            entry.task.Prediction,
         )
         return answered_by(entry, JSONResponse(body))
 
@@ -603,7 +656,7 @@ def openapi(api: FastAPI, server: ModelServer) -> dict[str, Any]:
         infer_model = v2.infer_request_model(
             prefix, entry.task.instance_schema(), entry.task.Prediction
         )
-        about = f"{name} (version {entry.version}, task {entry.info.task})"
+        about = f"{name} (version {shown_version(entry)}, task {entry.info.task})"
         paths[f"/v1/models/{name}:predict"] = {
             "post": {
                 "summary": f"Predict with {about}",
@@ -683,6 +736,7 @@ def build(
             **({"runtime_env": runtime_env} if runtime_env is not None else {}),
         },
         max_ongoing_requests=args.max_ongoing_requests,
+        max_queued_requests=args.max_queued_requests,
         logging_config={"enable_access_log": args.access_log},
         user_config=model_table.user_config(models),
         **scaling,

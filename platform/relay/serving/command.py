@@ -253,6 +253,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             address=ray.get_runtime_context().gcs_address,
             app_name=APP_NAME,
             pid=os.getpid(),
+            pid_start=endpoint.process_start_time(os.getpid()),
             args=app_args.model_dump(mode="json"),
             auth_mode=os.environ.get("RAY_AUTH_MODE"),
             runtime_env=runtime_env,
@@ -326,31 +327,29 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 def _swap_in(new: list, served_args, found: endpoint.Endpoint, verbose: bool) -> int:
     """Replace or add the models `new` in the endpoint's table; the replicas reconfigure."""
-    from relay.serving.model_table import ModelInfo
-
-    try:  # what the endpoint serves now, as it says itself
-        current = [
-            ModelInfo.model_validate({k: m[k] for k in ModelInfo.model_fields})
-            for m in _get_json(f"{found.base_url}/v1/models")["models"]
-        ]
-    except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
-        return _fail(f"{found.base_url} does not answer: {exc}", EXIT_FAILED)
-    table = {info.name: info for info in current}
-    before = {name: info.version for name, info in table.items()}
-    table.update({info.name: info for info in new})
-    models = list(table.values())
-    served_args.model = [info.reference for info in models]
-
     import ray
     from ray import serve
 
     from relay import cluster
     from relay.serving import staging
-    from relay.serving.app import build
+    from relay.serving.app import build, shown
     from relay.serving.model_table import user_config
 
     try:
         cluster.connect(verbose=verbose)
+        # The record only says where to look: what runs there decides (a record left by
+        # another cluster, or edited, must not steer what the replicas are rebuilt with).
+        current, problem = _live_table(found)
+        if problem:
+            where = f"{found.host}:{found.port}"
+            return _fail(
+                f"the record of relay serve at {where} {problem}; not deploying", EXIT_USAGE
+            )
+        table = {info.name: info for info in current}
+        before = {name: info.version for name, info in table.items()}
+        table.update({info.name: info for info in new})
+        models = list(table.values())
+        served_args.model = [info.reference for info in models]
         # Every replica loads the new weights while it serves, so that the swap itself (when
         # Serve routes nothing to a replica) is short; a replica that cannot load them stops
         # the deploy here, before anything changed.
@@ -368,7 +367,7 @@ def _swap_in(new: list, served_args, found: endpoint.Endpoint, verbose: bool) ->
         app = build(models, served_args, found.runtime_env)
         serve.run(app, name=found.app_name, route_prefix="/")
         for info in new:
-            _wait_for_version(found.base_url, info)
+            _wait_for_version(found.base_url, info, shown(info.version))
     except Exception as exc:
         return _fail(f"deploy failed: {exc}", EXIT_FAILED)
     finally:
@@ -382,6 +381,41 @@ def _swap_in(new: list, served_args, found: endpoint.Endpoint, verbose: bool) ->
     return 0
 
 
+def _live_table(found: endpoint.Endpoint) -> tuple[list, str | None]:
+    """The models the cluster at the record's address serves, from its Serve controller, once
+    the record is checked against it: that cluster serves HTTP at the record's host:port, runs
+    the record's application, whose replicas run with the record's runtime_env. Else the
+    mismatch, as a message."""
+    from ray.serve.context import _get_global_client
+
+    from relay.serving.app import DEPLOYMENT
+    from relay.serving.model_table import models_of
+
+    try:
+        details = _get_global_client().get_serve_details()
+    except Exception as exc:  # no Serve on that cluster (the RayServeException of a lookup)
+        return [], f"names a cluster with no Serve running ({found.address}: {exc})"
+    http = details.get("http_options") or {}
+    if (http.get("host"), http.get("port")) != (found.host, found.port):
+        where = f"{http.get('host')}:{http.get('port')}"
+        return [], f"names the cluster at {found.address}, which serves HTTP at {where}"
+    application = (details.get("applications") or {}).get(found.app_name) or {}
+    deployment = (application.get("deployments") or {}).get(DEPLOYMENT)
+    if deployment is None:
+        return [], f"names application {found.app_name!r}, which {found.address} does not run"
+    config = deployment["deployment_config"]
+    runtime_env = (config.get("ray_actor_options") or {}).get("runtime_env")
+    if runtime_env != found.runtime_env:
+        return [], (
+            f"gives a runtime_env the running replicas do not have ({found.runtime_env!r}; "
+            f"they run with {runtime_env!r})"
+        )
+    try:
+        return models_of(config.get("user_config") or {}), None
+    except (KeyError, ValueError) as exc:
+        return [], f"names an application that is not relay's ({exc})"
+
+
 def _running_replicas(app_name: str) -> int:
     from ray import serve
 
@@ -392,13 +426,14 @@ def _running_replicas(app_name: str) -> int:
     return deployment.replica_states.get("RUNNING", 0) if deployment else 0
 
 
-def _wait_for_version(base_url: str, info, timeout_s: float = 60.0) -> None:
-    """Until the endpoint answers for `info.name` with its version (HAProxy may still be
-    switching over from a replica that left, when the swap restarted replicas)."""
+def _wait_for_version(base_url: str, info, version: str, timeout_s: float = 60.0) -> None:
+    """Until the endpoint answers for `info.name` with `version`, as the endpoint shows it
+    (HAProxy may still be switching over from a replica that left, when the swap restarted
+    replicas)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if _get_json(f"{base_url}/v1/models/{info.name}")["version"] == info.version:
+            if _get_json(f"{base_url}/v1/models/{info.name}")["version"] == version:
                 return
         except (urllib.error.URLError, OSError, ValueError, KeyError):
             pass

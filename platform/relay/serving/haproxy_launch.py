@@ -16,6 +16,10 @@ Server Error") at files written here, next to CONFIG, in relay's error shape `{"
 what a client gets when no replica can take its request (all down, one restarting, a timeout)
 is JSON like every other error of the API.
 
+It adds a `timeout http-request` (RELAY_HAPROXY_REQUEST_TIMEOUT_S, default 10 s) that, with
+`option http-buffer-request`, covers the body too, and JSON bodies for HAProxy's own 400 (bad
+framing, where its parser lets it) and 408 (a request too slow to arrive).
+
 And the backends' `http-reuse always` becomes `http-reuse safe` (HAProxy's default): with
 `always`, the first request of a new client connection may go out on an idle connection to a
 replica that has just died, and HAProxy then closes the client's connection unanswered and
@@ -61,9 +65,9 @@ GATEWAY_ERRORS = {
 
 
 def write_error_files(directory: str) -> dict[int, str]:
-    """A raw HTTP response per gateway error, as HAProxy's `errorfile` wants it."""
+    """A raw HTTP response per error HAProxy answers itself, as its `errorfile` wants it."""
     paths = {}
-    for code, (reason, message) in GATEWAY_ERRORS.items():
+    for code, (reason, message) in {**GATEWAY_ERRORS, **CLIENT_ERRORS}.items():
         body = json.dumps({"error": message}).encode()
         head = (
             f"HTTP/1.1 {code} {reason}\r\nContent-Type: application/json\r\n"
@@ -75,6 +79,41 @@ def write_error_files(directory: str) -> dict[int, str]:
     return paths
 
 
+# How long a client has to send its request line, headers and (through
+# `option http-buffer-request`) the body up to HAProxy's buffer, before a 408: Serve's template
+# sets no `timeout http-request`, so a client trickling bytes held a connection (and, once the
+# headers were in, a replica's in-flight slot) for `timeout client`, an hour.
+REQUEST_TIMEOUT_ENV = "RELAY_HAPROXY_REQUEST_TIMEOUT_S"
+DEFAULT_REQUEST_TIMEOUT_S = "10"
+# HAProxy's own refusals of a request, in relay's error shape too.
+CLIENT_ERRORS = {
+    400: ("Bad Request", "bad request: not a valid HTTP request"),
+    408: ("Request Time-out", "request timeout: the request did not arrive in time"),
+}
+DEFAULTS = re.compile(r"^defaults\b.*\n", re.M)
+USER_FRONTEND = re.compile(r"^frontend\s+http_frontend\b.*\n", re.M)
+HTTP_REQUEST_TIMEOUT = re.compile(r"^\s*timeout\s+http-request\b", re.M)
+
+
+def request_timeout(text: str, seconds: str) -> str:
+    """The config with a `timeout http-request` in its `defaults` (unless it has one) that
+    covers the body as well as the headers."""
+    match = DEFAULTS.search(text)
+    if match is None or HTTP_REQUEST_TIMEOUT.search(text):
+        return text
+    lines = f"    timeout http-request {seconds}s\n    option http-buffer-request\n"
+    return text[: match.end()] + lines + text[match.end() :]
+
+
+def json_client_errors(text: str, paths: dict[int, str]) -> str:
+    """JSON bodies for the 400 and 408 HAProxy answers itself on the user-facing frontend (in
+    its own section: HAProxy 2.8 did not apply these from `defaults`). A request line or
+    headers its parser refuses (two different Content-Lengths) still get HAProxy's built-in
+    400 page: 2.8 sends that one before any errorfile applies."""
+    lines = "".join(f"    errorfile {code} {paths[code]}\n" for code in sorted(CLIENT_ERRORS))
+    return USER_FRONTEND.sub(lambda m: m.group(0) + lines, text, count=1)
+
+
 REUSE_ALWAYS = re.compile(r"^(\s*http-reuse\s+)always\b", re.M)
 
 
@@ -84,6 +123,13 @@ def safe_reuse(text: str) -> str:
 
 def json_error_files(text: str, paths: dict[int, str]) -> str:
     return ERRORFILE.sub(lambda m: f"{m.group(1)}{m.group(2)} {paths[int(m.group(2))]}", text)
+
+
+def rewrite(text: str, error_files: dict[int, str], request_timeout_s: str) -> str:
+    """Serve's rendered config as relay runs it (each change: see the module's docstring)."""
+    text = json_error_files(loopback_admin_binds(text), error_files)
+    text = json_client_errors(safe_reuse(text), error_files)
+    return request_timeout(text, request_timeout_s)
 
 
 def config_path(args: list[str]) -> str | None:
@@ -98,8 +144,8 @@ def main(argv: list[str]) -> None:
     if (path := config_path(args)) is not None and os.path.isfile(path):
         with open(path) as file:
             original = file.read()
-        errors = write_error_files(os.path.dirname(path))
-        rewritten = safe_reuse(json_error_files(loopback_admin_binds(original), errors))
+        timeout = os.environ.get(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S)
+        rewritten = rewrite(original, write_error_files(os.path.dirname(path)), timeout)
         if rewritten != original:
             # Next to the original, then renamed over it: HAProxy never reads half a file.
             with open(path + ".relay", "w") as file:

@@ -22,6 +22,9 @@ environment lacks it, so an operator's own value wins):
 - the stats (8404) and Prometheus (9101) listeners get free ports and, through
   relay/serving/haproxy_launch.py, loopback addresses (the template binds every interface);
   so does the fallback proxy's port (8500);
+- a client has `timeout http-request` (haproxy_launch.py, 10 s) to send its request, body
+  included up to HAProxy's buffer, and a silent one is dropped after CLIENT_TIMEOUT_S, not an
+  hour;
 - one HAProxy thread (Serve's default is 4, more than this kind of machine has cores to give a
   proxy besides the replicas) and no per-request log parsing in the manager actor
   (`RAY_SERVE_HAPROXY_METRICS_ENABLED=0`);
@@ -57,6 +60,10 @@ DESCRIPTIONS = {
 # it from its config at once and health-checks every 250 ms while a server is changing state.
 DRAIN_S = "2"
 HAPROXY_THREADS = "1"
+# How long HAProxy waits on a silent client (Serve's default: an hour, long enough for a
+# client sending one byte a minute to hold a connection and an in-flight request all along).
+# The whole request must arrive within haproxy_launch.py's `timeout http-request` anyway.
+CLIENT_TIMEOUT_S = "60"
 # HAProxy's L7 retries: `empty-response` is a connection closed before any byte of an answer,
 # so the replica died before answering and nothing of it reached the client. HAProxy keeps a
 # copy of each request to resend (one that does not fit its 16 KiB buffer is not retried), and
@@ -134,6 +141,7 @@ def serve_environment(ingress: str) -> ServeSetup:
         "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": DRAIN_S,
         "RAY_SERVE_HAPROXY_RETRY_ON": RETRY_ON,
+        "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": CLIENT_TIMEOUT_S,
     }
     return ServeSetup(env, directory)
 

@@ -47,6 +47,20 @@ def error_detail(exc: ValidationError, prefix: tuple = ()) -> list[dict[str, Any
 DRAIN_LIMIT_BYTES = 256 * 1024 * 1024
 
 
+def ambiguous_framing(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """Why a request's body length is ambiguous, or None: two Content-Lengths, or one beside
+    Transfer-Encoding. A proxy in front and this server could each take a different one for
+    the body's end, and read the rest as another request (request smuggling); whatever the
+    front end (HAProxy, Serve's proxy, a load balancer of the operator's), refused here."""
+    names = [name.lower() for name, _ in headers]
+    lengths = names.count(b"content-length")
+    if lengths > 1:
+        return f"{lengths} Content-Length headers: the body's length is ambiguous"
+    if lengths and b"transfer-encoding" in names:
+        return "Content-Length beside Transfer-Encoding: the body's length is ambiguous"
+    return None
+
+
 class BodyLimit:
     """Pure ASGI middleware: read the whole request body before anything parses it, answering
     413 once it exceeds `max_bytes` — by Content-Length when there is one, else by counting
@@ -66,6 +80,11 @@ class BodyLimit:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if problem := ambiguous_framing(scope["headers"]):
+            refusal = error(400, problem)
+            # Where this body ends is unknown, so is where a next request would start.
+            refusal.headers["connection"] = "close"
+            return await refusal(scope, receive, send)
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         if length is not None:
