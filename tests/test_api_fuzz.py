@@ -59,6 +59,7 @@ from schemathesis.specs.openapi.checks import (
 from test_serve import make_version, serving
 
 from relay import checkpoint, registry
+from relay.tasks import resolve_task_class
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -245,11 +246,15 @@ def as_tensors(rows: list[dict[str, Any]], inputs: list[dict[str, Any]]) -> dict
     return {"inputs": tensors}
 
 
-def normalized(instances: list[dict[str, Any]], schema: dict[str, Any]) -> list[dict[str, Any]]:
-    """The instances with the same fields in every row: a field some rows leave out gets its
-    default there, and one that is None anywhere (a tensor holds no null) is left out of all.
-    The same instances go to v1, so both protocols are asked the same thing."""
+def normalized(
+    instances: list[Any], schema: dict[str, Any], shorthand: str | None
+) -> list[dict[str, Any]]:
+    """The instances as objects (a bare value is the task's `shorthand` field, as the server
+    reads it) with the same fields in every row: a field some rows leave out gets its default
+    there, and one that is None anywhere (a tensor holds no null) is left out of all. The same
+    instances go to v1, so both protocols are asked the same thing."""
     properties = schema["properties"]
+    instances = [row if isinstance(row, dict) else {shorthand: row} for row in instances]
     fields = {name for row in instances for name in row}
     rows = [
         {name: row.get(name, properties[name].get("default")) for name in fields}
@@ -281,7 +286,8 @@ def agrees(operation, metadata: dict, instance_schema: dict, base_url: str, sess
     @settings(SETTINGS, max_examples=AGREEMENT_EXAMPLES)
     @given(case=operation.as_strategy(generation_mode=GenerationMode.POSITIVE))
     def run(case) -> None:
-        instances = normalized(case.body["instances"], instance_schema)
+        shorthand = resolve_task_class(name).Instance.shorthand
+        instances = normalized(case.body["instances"], instance_schema, shorthand)
         body = as_tensors(instances, metadata["inputs"])
         assume(body is not None)
         v1 = session.post(
@@ -315,7 +321,9 @@ def test_v2_infer_agrees_with_v1_predict(api_schema, base_url, session):
     schemas = api_schema.raw_schema["components"]["schemas"]
     for name in MODELS:
         metadata = session.get(f"{base_url}/v2/models/{name}", timeout=TIMEOUT).json()
-        ref = schemas[f"{name}_PredictRequest"]["properties"]["instances"]["items"]["$ref"]
+        item = schemas[f"{name}_PredictRequest"]["properties"]["instances"]["items"]
+        # The object, or beside it (a task with a shorthand) the bare value of one field.
+        (ref,) = [i["$ref"] for i in item.get("anyOf", [item]) if "$ref" in i]
         instance_schema = schemas[ref.rsplit("/", 1)[-1]]
         operation = api_schema[f"/v1/models/{name}:predict"]["POST"]
         got = agrees(operation, metadata, instance_schema, base_url, session)

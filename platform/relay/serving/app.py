@@ -648,7 +648,7 @@ def openapi(api: FastAPI, server: ModelServer) -> dict[str, Any]:
         request_model = create_model(
             f"{prefix}_PredictRequest",
             __config__=closed,
-            instances=(list[entry.task.instance_schema()], limits),
+            instances=(list[entry.task.instance_schema().request_item()], limits),
         )
         response_model = create_model(
             f"{prefix}_PredictResponse", predictions=(list[entry.task.Prediction], ...)

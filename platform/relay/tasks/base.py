@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import numpy as np
 import torch
@@ -52,6 +52,18 @@ class InstanceSchema(BaseModel):
         if cls.shorthand is not None and not isinstance(value, dict):
             return {cls.shorthand: value}
         return value
+
+    @classmethod
+    def request_item(cls) -> Any:
+        """The type one instance of a request may take, as the API documents it: this object,
+        or (with a `shorthand`) the bare value of that field, which the server accepts too."""
+        if cls.shorthand is None:
+            return cls
+        field = cls.model_fields[cls.shorthand]
+        bare = (
+            Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+        )
+        return Union[cls, bare]  # noqa: UP007 (`|` cannot join a class and an Annotated)
 
 
 class PredictionSchema(BaseModel):
