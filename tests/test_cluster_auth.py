@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import shlex
 import shutil
-import socket
 import stat
 import subprocess
 import tempfile
@@ -24,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support import BIN, REPO, stop_session, subprocess_env
+from support import BIN, REPO, free_ports, stop_session, subprocess_env
 
 from relay.netns_cluster import NetnsCluster, client_auth_env
 
@@ -52,17 +51,6 @@ def shell_env_after(lines: list[str], env: dict[str, str]) -> dict[str, str]:
     )
     pairs = [item.split(b"=", 1) for item in result.stdout.split(b"\0") if b"=" in item]
     return {key.decode(): value.decode() for key, value in pairs}
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def head_command(line: str, temp_dir: str, dashboard: int) -> tuple[dict[str, str], list[str]]:

@@ -5,29 +5,17 @@ from __future__ import annotations
 
 import json
 import secrets
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from support import BIN, REPO, stop_session, subprocess_env
+from support import BIN, REPO, free_ports, stop_session, subprocess_env
 
 from relay import registry
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @pytest.fixture(scope="module")
