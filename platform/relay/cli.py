@@ -306,7 +306,10 @@ def _serve_best(args: argparse.Namespace, storage: Path, model: str | None) -> i
 
     if model is None:
         return _fail("--serve: the sweep registered no model version to serve", EXIT_FAILED)
+    # The version's task is the one the sweep trained, recorded in the storage root: the
+    # checkpoint gate passes it with nothing more allowed.
     at = {"refs": [model], "host": args.host, "port": args.port, "verbose": args.verbose}
+    at["allow_task"] = []
     if endpoint.read(str(storage), args.host, args.port) is not None:
         return serving.cmd_deploy(argparse.Namespace(**at, storage=str(storage)))
     flags = {field: None for field in serving.APP_FLAGS} | {"storage": str(storage)}
