@@ -65,6 +65,20 @@ def relay_json(*argv: str):
     return json.loads([line for line in lines if line.startswith(("{", "["))][-1])
 
 
+def placement_groups_left(wait_s: float = 30.0) -> list[dict]:
+    """The cluster's placement groups not yet removed, once those being removed are gone:
+    Ray removes a finished trial's group asynchronously (a group still pending when its
+    trial ended was once seen a moment after a sweep returned), so give it `wait_s`."""
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
 def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
     # overlap: one trial more than fits waits for workers while the others train (2 CPUs per
     # 1-worker trial: 2 fit on the test cluster's 4, the third waits).
@@ -85,10 +99,8 @@ def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
     result = sweep.run(cfg, out=None)
     assert Path(result.sweep_dir).parent == storage / "sweeps"
     # Stopped, finished or waiting, no trial leaves its workers' resources reserved.
-    import ray
 
-    groups = ray.util.placement_group_table().values()
-    assert [g for g in groups if g["state"] != "REMOVED"] == []
+    assert placement_groups_left() == []
 
     assert len(result.trials) == 4
     epochs = {t["config"]["optim.lr"]: t["epochs_run"] for t in result.trials}
@@ -180,7 +192,6 @@ def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(ray_cluster, st
     driver has a cluster of its own (a driver killed in the shared one could leave groups
     there that later tests would miss); the resumed one is this process, as `relay tune
     --resume` runs it, so that what it leaves behind can be seen."""
-    import ray
 
     cfg = sweep_config(
         storage,
@@ -220,8 +231,7 @@ def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(ray_cluster, st
     (first,) = killed_at[1]["recorded"]
 
     result = sweep.run(sweep.load_spec(storage, sweep_dir.name), resume=sweep_dir.name, out=None)
-    groups = ray.util.placement_group_table().values()
-    assert [g for g in groups if g["state"] != "REMOVED"] == []
+    assert placement_groups_left() == []
 
     trials = {t["config"]["optim.lr"]: t for t in result.trials}
     assert trials[3e-3]["trial_id"] == first  # the grid's order: the good lr came first
