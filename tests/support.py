@@ -270,3 +270,23 @@ def wait_for_checkpoint(storage: Path, name: str, epoch: int) -> Path:
                 pass
         time.sleep(0.1)
     raise AssertionError(f"no checkpoint of epoch {epoch} of {name} in time")
+
+
+def wait_for_job_server(
+    address: str, env: dict[str, str], leader, log: Path, wait_s: float
+) -> None:
+    """Until `ray job list` answers at `address` (the dashboard of a `ray start --head` run by
+    `leader`); fails with the start log's tail if the head exits, or `wait_s` passes."""
+    import pytest
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        assert leader.poll() is None, log.read_text()[-4000:]
+        probe = subprocess.run(
+            [str(BIN / "ray"), "job", "list", f"--address={address}"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        if probe.returncode == 0:
+            return
+        time.sleep(2)
+    pytest.fail(f"the head at {address} never served its jobs: {probe.stderr[-3000:]}")

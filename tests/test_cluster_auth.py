@@ -17,13 +17,12 @@ import shutil
 import stat
 import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from support import BIN, REPO, free_ports, stop_session, subprocess_env
+from support import BIN, REPO, free_ports, stop_session, subprocess_env, wait_for_job_server
 
 from relay.netns_cluster import NetnsCluster, client_auth_env
 
@@ -111,18 +110,7 @@ def readme_head():
     )
     address = f"http://127.0.0.1:{dashboard}"
     try:
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline:
-            assert leader.poll() is None, log_path.read_text()[-4000:]
-            probe = subprocess.run(
-                [str(BIN / "ray"), "job", "list", f"--address={address}"],
-                env=shell_env, capture_output=True, text=True, timeout=60,
-            )  # fmt: skip
-            if probe.returncode == 0:
-                break
-            time.sleep(2)
-        else:
-            pytest.fail(f"the README's head never served its jobs: {probe.stderr[-3000:]}")
+        wait_for_job_server(address, shell_env, leader, log_path, 150)
         yield address, shell_env, home, log_path
     finally:
         stop_session(leader)

@@ -7,11 +7,10 @@ import json
 import secrets
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
-from support import BIN, REPO, free_ports, stop_session, subprocess_env
+from support import BIN, REPO, free_ports, stop_session, subprocess_env, wait_for_job_server
 
 from relay import registry
 
@@ -47,18 +46,7 @@ def head_node():
     )
     address = f"http://127.0.0.1:{dashboard}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert leader.poll() is None, (Path(temp_dir) / "ray-start.log").read_text()
-            probe = subprocess.run(
-                [str(BIN / "ray"), "job", "list", f"--address={address}"],
-                env=env, capture_output=True, text=True, timeout=60,
-            )  # fmt: skip
-            if probe.returncode == 0:
-                break
-            time.sleep(2)
-        else:
-            pytest.fail(f"the head node's job server never came up: {probe.stderr[-2000:]}")
+        wait_for_job_server(address, env, leader, Path(temp_dir) / "ray-start.log", 120)
         yield address, env
     finally:
         stop_session(leader)
