@@ -41,7 +41,7 @@ format: venv
 	$(BIN)/ruff check --fix .
 
 # Every benchmark, one after another (~30 min on 2 cores; run it on a quiet machine): their
-# figures go to bench/results.jsonl with commit, date and machine, and into the README.
+# figures go to bench/results.jsonl with commit, date and machine, and into README.md and docs/.
 bench: venv
 	$(BIN)/python bench/run_all.py
 

@@ -1,15 +1,16 @@
 """.venv/bin/python bench/readme.py --write | --check
 
-The README's figures, generated from bench/results.jsonl (written by `make bench`,
-bench/run_all.py). Every measured number the README shows sits between a pair of markers
+The figures of README.md and docs/*.md, generated from bench/results.jsonl (written by
+`make bench`, bench/run_all.py). Every measured number those pages show sits between a pair of
+markers
 
     <!-- figures:NAME -->
     ...generated...
     <!-- /figures:NAME -->
 
-and is rendered here from the results file; nothing between the markers is typed by hand.
-`--write` rewrites those blocks in place; `--check` exits 1 (printing a diff) when the README
-and the results file disagree — the test suite runs it.
+and is rendered here from the results file; nothing between the markers is typed by hand. Each
+block lives in exactly one page. `--write` rewrites the blocks in place; `--check` exits 1
+(printing a diff) when a page and the results file disagree — the test suite runs it.
 """
 
 from __future__ import annotations
@@ -24,11 +25,29 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-README = HERE.parent / "README.md"
+REPO = HERE.parent
 RESULTS = HERE / "results.jsonl"
 BLOCK = re.compile(
     r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.S
 )
+
+
+def pages(repo: Path = REPO) -> list[Path]:
+    """The pages that may hold figures blocks: the README and every page of docs/."""
+    return [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+
+
+def block_homes(texts: dict[Path, str]) -> dict[str, Path]:
+    """Each figures block's page; a block in two places (or twice in one) is an error, since
+    the two copies could only ever be kept equal by hand."""
+    homes: dict[str, Path] = {}
+    for page, text in texts.items():
+        for match in BLOCK.finditer(text):
+            name = match["name"]
+            if name in homes:
+                raise ValueError(f"figures block {name!r} is in {homes[name]} and in {page}")
+            homes[name] = page
+    return homes
 
 
 def load_results(path: Path = RESULTS) -> dict[str, dict[str, Any]]:
@@ -584,38 +603,44 @@ BLOCKS: dict[str, Callable[[dict[str, dict[str, Any]]], str]] = {
 }
 
 
-def render(readme: str, results: dict[str, dict[str, Any]]) -> str:
+def render(page: str, results: dict[str, dict[str, Any]], where: str = "README.md") -> str:
     def block(match: re.Match) -> str:
         name = match["name"]
         if name not in BLOCKS:
-            raise KeyError(f"README has a figures block {name!r} that bench/readme.py lacks")
+            raise KeyError(f"{where} has a figures block {name!r} that bench/readme.py lacks")
         return match.group(1) + BLOCKS[name](results) + match.group(4)
 
-    return BLOCK.sub(block, readme)
+    return BLOCK.sub(block, page)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", action="store_true", help="regenerate the README's blocks")
-    mode.add_argument("--check", action="store_true", help="exit 1 if the README disagrees")
+    mode.add_argument("--write", action="store_true", help="regenerate the pages' blocks")
+    mode.add_argument("--check", action="store_true", help="exit 1 if a page disagrees")
     args = parser.parse_args(argv)
-    current = README.read_text()
-    wanted = render(current, load_results())
-    if args.write:
-        README.write_text(wanted)
-        return 0
-    if wanted != current:
+    current = {page: page.read_text() for page in pages()}
+    block_homes(current)
+    results = load_results()
+    stale = 0
+    for page, text in current.items():
+        name = str(page.relative_to(REPO))
+        wanted = render(text, results, name)
+        if wanted == text:
+            continue
+        stale += 1
+        if args.write:
+            page.write_text(wanted)
+            continue
         sys.stdout.writelines(
             difflib.unified_diff(
-                current.splitlines(keepends=True),
+                text.splitlines(keepends=True),
                 wanted.splitlines(keepends=True),
-                "README.md",
-                "README.md as bench/results.jsonl says",
+                name,
+                f"{name} as bench/results.jsonl says",
             )
         )
-        return 1
-    return 0
+    return 1 if stale and args.check else 0
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 Runs every benchmark of this folder, one after another, each in its own process (so one bench's
 Ray cluster is gone before the next starts), and records what each printed as its last line (one
 JSON object) in bench/results.jsonl: one line per bench, with the command that produced it, the
-commit and date, and the machine (cores, CPU model, memory). Then it regenerates the README's
-figures from that file (bench/readme.py), so the README quotes only measured numbers.
+commit and date, and the machine (cores, CPU model, memory). Then it regenerates the figures of
+README.md and docs/ from that file (bench/readme.py), so they quote only measured numbers.
 
 `--only NAME` reruns some benches and keeps the other lines of the file as they are (each line
 carries its own commit and date). A bench that fails leaves its old line in place and makes the
@@ -73,7 +73,7 @@ BENCHES: dict[str, list[str]] = {
     "serve_load": ["bench/serve_load.py"],
     "serve_multiplex": ["bench/serve_multiplex.py"],
     "ingest": ["bench/ingest.py"],
-    # Sample outputs the README shows: real runs of the commands it documents.
+    # Sample outputs the docs show: real runs of the commands they document.
     "sample_train": ["relay", "train", "jobs/configs/digits.yaml"],
     "sample_report": [
         "relay",
@@ -125,7 +125,7 @@ def commit() -> dict[str, object]:
 
     try:
         # The files this script writes do not make a benchmarked tree dirty.
-        outputs = (":!bench/results.jsonl", ":!README.md")
+        outputs = (":!bench/results.jsonl", ":!README.md", ":!docs")
         dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", *outputs))
         return {"commit": git("rev-parse", "HEAD"), "dirty": dirty}
     except (OSError, subprocess.CalledProcessError):

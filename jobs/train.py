@@ -1,7 +1,7 @@
 """Train a relay config on the Ray cluster this job runs on.
 
     ray get-auth-token --generate >/dev/null && chmod 600 ~/.ray/auth_token   # once
-    export RAY_AUTH_MODE=token      # token authentication: the README's recipe
+    export RAY_AUTH_MODE=token      # token authentication: docs/clusters.md
     ray start --head --disable-usage-stats
     ray job submit --working-dir . -- python jobs/train.py jobs/configs/digits.yaml \
         [--set optim.lr=0.05 ...] [--json]

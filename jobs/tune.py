@@ -1,7 +1,7 @@
 """Run a relay sweep (Ray Tune + ASHA, every trial a DDP TorchTrainer) on this job's cluster.
 
     ray get-auth-token --generate >/dev/null && chmod 600 ~/.ray/auth_token   # once
-    export RAY_AUTH_MODE=token      # token authentication: the README's recipe
+    export RAY_AUTH_MODE=token      # token authentication: docs/clusters.md
     ray start --head --disable-usage-stats
     ray job submit --working-dir . -- python jobs/tune.py jobs/configs/digits-sweep.yaml \
         [--set num_samples=4 ...] [--json]

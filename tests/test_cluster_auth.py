@@ -1,10 +1,11 @@
-"""A head started the README's way (`ray start --head` in "Train on a Ray cluster with `ray job
-submit`") refuses a client without its token, and accepts the README's own `ray job` commands.
+"""A head started the documented way (`ray start --head` in docs/clusters.md, "Train on a Ray
+cluster with `ray job submit`") refuses a client without its token, and accepts the page's own
+`ray job` commands.
 
 Ray 2.60 turns token authentication on by itself only for a cluster `ray.init()` starts; a
 `ray start --head` enables it only with `RAY_AUTH_MODE=token` or a token already on the
 machine, and otherwise serves its job API (arbitrary code) to anyone who reaches it. The test
-runs the README's shell lines as written, in a home directory of its own (so it neither reads
+runs the page's shell lines as written, in a home directory of its own (so it neither reads
 nor writes the user's ~/.ray), adding only the ports, temp dir and `--block` a test needs.
 The namespace-cluster demo (relay.netns_cluster) prints a client line that names a 0600 token
 file, never the token.
@@ -28,13 +29,14 @@ from relay.netns_cluster import NetnsCluster, client_auth_env
 
 pytestmark = pytest.mark.timeout(240)
 
+PAGE = REPO / "docs" / "clusters.md"
 SECTION = "## Train on a Ray cluster with `ray job submit`"
 
 
-def readme_recipe() -> tuple[list[str], str]:
+def documented_recipe() -> tuple[list[str], str]:
     """The shell lines of the section's first bash block before `ray start --head`, and that
     line itself."""
-    text = (REPO / "README.md").read_text()
+    text = PAGE.read_text()
     section = text[text.index(SECTION) :]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     lines = [line for line in block.splitlines() if line.strip()]
@@ -53,7 +55,7 @@ def shell_env_after(lines: list[str], env: dict[str, str]) -> dict[str, str]:
 
 
 def head_command(line: str, temp_dir: str, dashboard: int) -> tuple[dict[str, str], list[str]]:
-    """The README's `ray start --head` line as (its VAR=value prefixes, argv), with the test's
+    """The page's `ray start --head` line as (its VAR=value prefixes, argv), with the test's
     ports, temp dir and --block appended."""
     words = shlex.split(line, comments=True)
     assignments = {}
@@ -87,15 +89,15 @@ def get_jobs(address: str, token: str | None) -> int:
 
 
 @pytest.fixture(scope="module")
-def readme_head():
-    """A head started by the README's lines; yields (dashboard address, the README shell's
+def documented_head():
+    """A head started by the page's lines; yields (dashboard address, the page shell's
     environment, its home directory, the head's log). The home (the token) goes at the end."""
     temp_dir = tempfile.mkdtemp(prefix="ra-", dir="/tmp")  # Ray's socket paths must stay short
     home = Path(temp_dir) / "home"
     home.mkdir()
     base = subprocess_env(HOME=str(home), RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
     base.pop("RAY_ADDRESS")
-    setup, start_line = readme_recipe()
+    setup, start_line = documented_recipe()
     shell_env = shell_env_after(setup, base)
     dashboard = free_ports(1)[0]
     assignments, argv = head_command(start_line, temp_dir, dashboard)
@@ -119,8 +121,8 @@ def readme_head():
 
 
 @pytest.mark.slow  # a `ray start --head` of its own
-def test_readme_head_refuses_a_client_without_the_token(readme_head):
-    address, _, home, _ = readme_head
+def test_documented_head_refuses_a_client_without_the_token(documented_head):
+    address, _, home, _ = documented_head
     assert get_jobs(address, token=None) == 401  # no token: unauthenticated
     assert get_jobs(address, token="not-the-token") == 403  # a wrong one: forbidden
     token = (home / ".ray" / "auth_token").read_text().strip()
@@ -128,17 +130,17 @@ def test_readme_head_refuses_a_client_without_the_token(readme_head):
 
 
 @pytest.mark.slow  # a `ray start --head` of its own
-def test_readme_token_is_private_to_its_user(readme_head):
-    _, _, home, _ = readme_head
+def test_documented_token_is_private_to_its_user(documented_head):
+    _, _, home, _ = documented_head
     mode = stat.S_IMODE((home / ".ray" / "auth_token").stat().st_mode)
     assert mode & 0o077 == 0, f"~/.ray/auth_token is {oct(mode)}: others may read the token"
 
 
 @pytest.mark.slow  # a `ray start --head` of its own
-def test_readme_job_cli_presents_the_token(readme_head):
-    """`ray job submit` / `ray job list` in the README's shell reach the head (the fixture's
+def test_documented_job_cli_presents_the_token(documented_head):
+    """`ray job submit` / `ray job list` in the page's shell reach the head (the fixture's
     probe), and the job CLI from a shell without the token is refused, naming authentication."""
-    address, shell_env, home, _ = readme_head
+    address, shell_env, home, _ = documented_head
     stranger_home = home.parent / "stranger"
     stranger_home.mkdir(exist_ok=True)
     stranger = {**shell_env, "HOME": str(stranger_home), "RAY_AUTH_MODE": "token"}
@@ -151,8 +153,8 @@ def test_readme_job_cli_presents_the_token(readme_head):
 
 
 @pytest.mark.slow  # a `ray start --head` of its own
-def test_readme_head_sends_no_usage_stats(readme_head):
-    *_, log_path = readme_head
+def test_documented_head_sends_no_usage_stats(documented_head):
+    *_, log_path = documented_head
     assert "Usage stats collection is disabled" in log_path.read_text()
 
 

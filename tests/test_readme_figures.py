@@ -1,5 +1,6 @@
-"""The README quotes only measured figures: its figures blocks are what bench/readme.py renders
-from bench/results.jsonl (written by `make bench`), and no measured number is typed outside them.
+"""The README and docs/ quote only measured figures: their figures blocks are what
+bench/readme.py renders from bench/results.jsonl (written by `make bench`), each block lives in
+one page, and no measured number is typed outside them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 from support import REPO
 
-README = REPO / "README.md"
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RESULTS = REPO / "bench" / "results.jsonl"
 BLOCK = re.compile(r"<!-- figures:([\w-]+) -->\n.*?<!-- /figures:\1 -->", re.S)
 
@@ -22,6 +23,10 @@ MEASURED = re.compile(
     r"|\d\.\d+\s*[×x]\b"
     r"|~\s?\d[\d.]*\s?s\b"
 )
+
+
+def page_texts() -> dict[str, str]:
+    return {str(page.relative_to(REPO)): page.read_text() for page in PAGES}
 
 
 def results() -> list[dict]:
@@ -36,10 +41,10 @@ def test_readme_figures_are_the_results_file():
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 0, "README disagrees with bench/results.jsonl:\n" + proc.stdout
+    assert proc.returncode == 0, "the docs disagree with bench/results.jsonl:\n" + proc.stdout
 
 
-def test_every_bench_has_a_result_and_a_place_in_the_readme():
+def test_every_bench_has_a_result_and_a_place_in_the_docs():
     names = {entry["bench"] for entry in results()}
     listed = subprocess.run(
         [sys.executable, "bench/run_all.py", "--list"],
@@ -51,8 +56,9 @@ def test_every_bench_has_a_result_and_a_place_in_the_readme():
     ).stdout.splitlines()  # "name  command..."
     benches = {line.split()[0] for line in listed if line.strip()}
     assert benches <= names, f"benches never run into the results file: {benches - names}"
-    blocks = set(BLOCK.findall(README.read_text()))
-    assert {"benchmarks", "sample_train", "sample_report", "sample_plan"} <= blocks
+    found = [name for text in page_texts().values() for name in BLOCK.findall(text)]
+    assert {"benchmarks", "sample_train", "sample_report", "sample_plan"} <= set(found)
+    assert len(found) == len(set(found)), f"a figures block in two places: {sorted(found)}"
 
 
 def test_results_come_from_this_history_on_a_clean_tree():
@@ -75,6 +81,9 @@ def test_results_come_from_this_history_on_a_clean_tree():
 
 
 def test_no_measured_figure_outside_the_generated_blocks():
-    outside = BLOCK.sub("", README.read_text())
-    typed = [m.group(0) for m in MEASURED.finditer(outside)]
-    assert not typed, f"figures typed by hand in README.md: {typed}"
+    typed = {
+        name: [m.group(0) for m in MEASURED.finditer(BLOCK.sub("", text))]
+        for name, text in page_texts().items()
+    }
+    typed = {name: figures for name, figures in typed.items() if figures}
+    assert not typed, f"figures typed by hand: {typed}"

@@ -388,7 +388,7 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
 @pytest.mark.timeout(240)
 def test_damaged_checkpoints_fail_in_one_line(ray_cluster, tmp_path):
     """Each damage x `relay serve`, `relay train --resume`, `relay runs show`: the exit code
-    the README documents, one stderr line naming the damaged file, no traceback, and no Ray
+    docs/training.md documents, one stderr line naming the damaged file, no traceback, and no Ray
     started (the checks run before any cluster work). One run, a copy of its storage root per
     damage, and all 9 commands in one fresh interpreter."""
     storage = tmp_path / "storage"
@@ -399,7 +399,7 @@ def test_damaged_checkpoints_fail_in_one_line(ray_cluster, tmp_path):
         Path(run.last_checkpoint),
         checkpoint.latest_registered(run.run_dir)[0],
     }
-    # Each command with the exit code the README documents for a damaged checkpoint.
+    # Each command with the exit code docs/training.md documents for a damaged checkpoint.
     expected = {"serve": 2, "train --resume": 2, "runs show": 1}
     cases, copies = {}, {}
     for number, (case, (name, damage)) in enumerate(CORRUPTIONS.items()):
@@ -632,7 +632,7 @@ def test_storage_fills_up_mid_run_then_turns_read_only(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_storage_turning_read_only_mid_run_is_reported(tmp_path):
-    """The storage root turns read-only after epoch 2's checkpoint, as the README says: the
+    """The storage root turns read-only after epoch 2's checkpoint, as docs/training.md says: the
     run fails, stderr says why and that its record could not say so, no traceback; the record
     still reads "running"; the checkpoints registered before are whole and load."""
     mount = tmp_path / "turns-read-only"

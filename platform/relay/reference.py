@@ -1,5 +1,5 @@
-"""The config reference, generated from the field descriptions (README embeds it; a test keeps
-the two in sync). `relay reference` prints it."""
+"""The config reference, generated from the field descriptions (docs/config-reference.md embeds
+it; a test keeps the two in sync). `relay reference` prints it."""
 
 from __future__ import annotations
 
