@@ -244,17 +244,6 @@ def sweep_driver(path: Path, env: dict[str, str]) -> Iterator[subprocess.Popen]:
         stop_session(driver, signals=((signal.SIGKILL, 15),))
 
 
-def resume_sweep(sweep_dir: Path, storage: Path, env: dict[str, str]) -> dict:
-    """`relay tune --resume` of an interrupted sweep, to its end; its `--json` result."""
-    resumed = subprocess.run(
-        [str(BIN / "relay"), "tune", "--resume", sweep_dir.name, "--storage", str(storage),
-         "--json"],
-        env=env, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    return {"stdout": resumed.stdout, **json.loads(resumed.stdout.strip().splitlines()[-1])}
-
-
 def wait_for_checkpoint(storage: Path, name: str, epoch: int) -> Path:
     """The run dir of the (one) run named `name`, once Ray Train has registered its checkpoint
     of `epoch`."""

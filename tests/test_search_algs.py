@@ -7,6 +7,7 @@ and `param_space(cfg)`, so reproducibility and enumeration are checked without t
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import math
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support import resume_sweep, subprocess_env, sweep_driver
+from support import subprocess_env, sweep_driver
 from test_sweep import _finished_trials, relay_json, sweep_config
 
 from relay import registry, sweep
@@ -123,9 +124,10 @@ def _replay_tpe(cfg: SweepConfig, trials: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_killed_tpe_sweep_resumes_with_its_searcher_state(tmp_path):
-    """Kill the sweep driver after its first trial, resume: no finished trial reruns, the
-    sweep still has num_samples trials, and the third trial — chosen by TPE (not start-up
+def test_killed_tpe_sweep_resumes_with_its_searcher_state(ray_cluster, tmp_path):
+    """Kill the sweep driver after its first trial, resume (in this process, as `relay tune
+    --resume` runs it; the killed driver had a cluster of its own): no finished trial reruns,
+    the sweep still has num_samples trials, and the third trial — chosen by TPE (not start-up
     sampling) after the resume — is the one a seeded TPE chooses from the first two trials'
     results: the restored searcher kept Optuna's study and its random state."""
     storage = tmp_path / "storage"
@@ -172,11 +174,12 @@ def test_killed_tpe_sweep_resumes_with_its_searcher_state(tmp_path):
     for run_id in before:
         assert (listed[run_id]["status"], listed[run_id]["epochs_run"]) == ("completed", 2)
 
-    result = resume_sweep(sweep_dir, storage, env)
-    assert "search tpe" in result["stdout"]  # the summary names the algorithm
+    out = io.StringIO()
+    resumed = sweep.run(sweep.load_spec(storage, sweep_dir.name), resume=sweep_dir.name, out=out)
+    assert "search tpe" in out.getvalue()  # the summary names the algorithm
     # In the order TPE chose them (trials ran one at a time; ids are random, not ordered).
     trials = sorted(
-        result["trials"], key=lambda t: registry.get_run(storage, t["run_id"])["started_at"]
+        resumed.trials, key=lambda t: registry.get_run(storage, t["run_id"])["started_at"]
     )
     assert len(trials) == 3
     assert all(t["status"] == "completed" and t["chosen_by"] == "tpe" for t in trials)
@@ -185,7 +188,7 @@ def test_killed_tpe_sweep_resumes_with_its_searcher_state(tmp_path):
         assert after[run_id] == finished_at, f"{run_id} was trained again"
     assert len(after) == 3
     assert [t["config"] for t in trials] == _replay_tpe(spec, trials)
-    assert result["model"].startswith("digits:")
+    assert resumed.model.startswith("digits:")
     shown = relay_json("sweeps", "show", sweep_dir.name, "--storage", str(storage))
     assert shown["status"] == "finished" and shown["counts"] == {"completed": 3}
     assert sorted(t["run_id"] for t in shown["trials"]) == sorted(t["run_id"] for t in trials)
