@@ -34,16 +34,77 @@ def _config(epochs: int, workers: int, strategy: str):
     )
 
 
+def _with_upload(cfg, upload: str):
+    return cfg.model_copy(
+        update={"checkpoint": cfg.checkpoint.model_copy(update={"upload": upload})}
+    )
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(ray_cluster, relay_home):
+    """One 3-epoch fsdp run on 2 workers, uploading its checkpoints synchronously, shared by
+    the module's tests: the async-upload test compares its checkpoints with an async run's,
+    then the resume test continues it on other worker counts and strategies (in that order,
+    the file's: the resume adds epochs)."""
+    cfg = _with_upload(_config(epochs=3, workers=2, strategy="fsdp"), "sync")
+    result = relay.train(cfg, out=None)
+    return result, Path(registry.get_run(relay_home, result.run_id)["run_dir"])
+
+
 def _shard_files(directory: Path) -> list[str]:
     return sorted(p.name for p in (directory / checkpoint.SHARDS).iterdir())
 
 
-def test_fsdp_shards_resume_on_one_worker_then_under_ddp_on_two(ray_cluster, relay_home, tmp_path):
+def _weights_of(directory: Path, tmp_path: Path):
+    """A checkpoint's whole weights, from whichever format it was written in."""
+    from safetensors.torch import load_file
+
+    from relay import consolidate
+
+    out = tmp_path / f"{directory.parent.name}-{directory.name}"
+    return load_file(consolidate.export(directory, out) / checkpoint.WEIGHTS)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])  # sharded, and gathered on rank 0
+def test_async_upload_registers_the_same_checkpoints_as_sync(
+    ray_cluster, relay_home, tmp_path, strategy, request
+):
+    import tempfile
+
+    runs = {}
+    for upload in ("sync", "async"):
+        if (strategy, upload) == ("fsdp", "sync"):
+            runs[upload] = request.getfixturevalue("fsdp_run")[1]
+            continue
+        cfg = _with_upload(_config(epochs=3, workers=2, strategy=strategy), upload)
+        result = relay.train(cfg, out=None)
+        runs[upload] = Path(registry.get_run(relay_home, result.run_id)["run_dir"])
+
+    for upload, run_dir in runs.items():
+        # Every epoch's checkpoint reached storage whole and counts (keep: all) ...
+        epochs = sorted(p.name for p in run_dir.glob("epoch_*"))
+        assert epochs == ["epoch_0001", "epoch_0002", "epoch_0003"], (upload, epochs)
+        for name in epochs:
+            checkpoint.validate(run_dir / name)
+        latest = checkpoint.latest_registered(run_dir)
+        assert latest is not None and latest[0].name == "epoch_0003", (upload, latest)
+        # ... and no rank left its local staging copy behind.
+        leftovers = list(Path(tempfile.gettempdir()).glob(f"relay-ckpt-{run_dir.name}-*"))
+        assert leftovers == [], leftovers
+    # The same seed and data: the copies made while training went on hold the same weights
+    # as those training waited for.
+    for name in ("epoch_0001", "epoch_0002"):
+        synced = _weights_of(runs["sync"] / name, tmp_path)
+        overlapped = _weights_of(runs["async"] / name, tmp_path)
+        assert sorted(synced) == sorted(overlapped)
+        assert all(torch.equal(v, overlapped[k]) for k, v in synced.items()), name
+
+
+def test_fsdp_shards_resume_on_one_worker_then_under_ddp_on_two(fsdp_run, relay_home, tmp_path):
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    first = relay.train(_config(epochs=2, workers=2, strategy="fsdp"), out=None)
-    run_dir = Path(registry.get_run(relay_home, first.run_id)["run_dir"])
+    first, run_dir = fsdp_run
     epoch2 = run_dir / "epoch_0002"
     meta = checkpoint.read_meta(epoch2)
     assert (meta["format"], meta["workers"]) == ("sharded", 2)
@@ -82,60 +143,16 @@ def test_fsdp_shards_resume_on_one_worker_then_under_ddp_on_two(ray_cluster, rel
     assert not torch.equal(exported_weights["tok_emb.weight"], whole["tok_emb.weight"])
 
     # 2 -> 1 worker, still fsdp (one rank: its whole state in one file) ...
-    relay.train(_config(epochs=3, workers=1, strategy="fsdp"), out=None, run_id=first.run_id)
-    assert _shard_files(run_dir / "epoch_0003") == [".metadata", "__0_0.distcp"]
+    relay.train(_config(epochs=4, workers=1, strategy="fsdp"), out=None, run_id=first.run_id)
+    assert _shard_files(run_dir / "epoch_0004") == [".metadata", "__0_0.distcp"]
     # ... then 1 -> 2 workers under ddp, which writes whole checkpoints.
-    last = relay.train(_config(epochs=4, workers=2, strategy="ddp"), out=None, run_id=first.run_id)
-    assert checkpoint.read_meta(run_dir / "epoch_0004")["format"] == "full"
+    last = relay.train(_config(epochs=5, workers=2, strategy="ddp"), out=None, run_id=first.run_id)
+    assert checkpoint.read_meta(run_dir / "epoch_0005")["format"] == "full"
 
     history = last.history
-    assert [(e["epoch"], e["workers"]) for e in history] == [(1, 2), (2, 2), (3, 1), (4, 2)]
+    workers = [(e["epoch"], e["workers"]) for e in history]
+    assert workers == [(1, 2), (2, 2), (3, 2), (4, 1), (5, 2)]
     losses = [e["train_loss"] for e in history]
     # Each resume went on from where the run was (weights and optimizer moments), instead of
-    # starting over: the loss keeps falling below epoch 2's.
-    assert losses[3] < losses[2] < losses[1] < losses[0], losses
-
-
-def _weights_of(directory: Path, tmp_path: Path):
-    """A checkpoint's whole weights, from whichever format it was written in."""
-    from safetensors.torch import load_file
-
-    from relay import consolidate
-
-    out = tmp_path / f"{directory.parent.name}-{directory.name}"
-    return load_file(consolidate.export(directory, out) / checkpoint.WEIGHTS)
-
-
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])  # sharded, and gathered on rank 0
-def test_async_upload_registers_the_same_checkpoints_as_sync(
-    ray_cluster, relay_home, tmp_path, strategy
-):
-    import tempfile
-
-    runs = {}
-    for upload in ("sync", "async"):
-        cfg = _config(epochs=3, workers=2, strategy=strategy)
-        cfg = cfg.model_copy(
-            update={"checkpoint": cfg.checkpoint.model_copy(update={"upload": upload})}
-        )
-        result = relay.train(cfg, out=None)
-        runs[upload] = Path(registry.get_run(relay_home, result.run_id)["run_dir"])
-
-    for upload, run_dir in runs.items():
-        # Every epoch's checkpoint reached storage whole and counts (keep: all) ...
-        epochs = sorted(p.name for p in run_dir.glob("epoch_*"))
-        assert epochs == ["epoch_0001", "epoch_0002", "epoch_0003"], (upload, epochs)
-        for name in epochs:
-            checkpoint.validate(run_dir / name)
-        latest = checkpoint.latest_registered(run_dir)
-        assert latest is not None and latest[0].name == "epoch_0003", (upload, latest)
-        # ... and no rank left its local staging copy behind.
-        leftovers = list(Path(tempfile.gettempdir()).glob(f"relay-ckpt-{run_dir.name}-*"))
-        assert leftovers == [], leftovers
-    # The same seed and data: the copies made while training went on hold the same weights
-    # as those training waited for.
-    for name in ("epoch_0001", "epoch_0002"):
-        synced = _weights_of(runs["sync"] / name, tmp_path)
-        overlapped = _weights_of(runs["async"] / name, tmp_path)
-        assert sorted(synced) == sorted(overlapped)
-        assert all(torch.equal(v, overlapped[k]) for k, v in synced.items()), name
+    # starting over: the loss keeps falling below epoch 3's.
+    assert losses[4] < losses[3] < losses[2] < losses[1] < losses[0], losses
