@@ -74,7 +74,7 @@ ENTRYPOINT ["relay"]
 CMD ["--help"]
 
 FROM base AS debug
-# relay's hang doctor (relay/doctor/stacks.py) runs the py-spy beside the venv's python to dump
+# relay's hang doctor (relay/observe/doctor/stacks.py) runs the py-spy beside the venv's python to dump
 # the stacks of Train worker processes; py-spy attaches with ptrace. As uid 1000, the
 # capability a pod adds (securityContext.capabilities.add: [SYS_PTRACE]) only bounds what a
 # process may gain, it is not effective; this file capability makes py-spy gain it. A pod

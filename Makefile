@@ -19,9 +19,9 @@ demo: venv
 	$(BIN)/python jobs/demo.py
 
 # A Ray cluster of 2 "hosts" on this machine, each a network namespace (needs root); it prints
-# a `ray job submit` line to try, and removes everything on Ctrl-C. relay/netns_cluster.py.
+# a `ray job submit` line to try, and removes everything on Ctrl-C. harness/netns_cluster.py.
 cluster-demo: venv
-	$(BIN)/python -m relay.netns_cluster --hosts 2
+	$(BIN)/python harness/netns_cluster.py --hosts 2
 
 # Every tier (what CI runs); the 30 slowest tests and the total are printed at the end.
 test: venv

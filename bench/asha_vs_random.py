@@ -55,8 +55,10 @@ from pathlib import Path
 
 from rounds import alternated
 
-from relay import cluster, history, registry, sweep
 from relay.config import sweep_from_dict
+from relay.records import history, registry
+from relay.runtime import cluster
+from relay.tuning import sweep
 
 # The searched fields besides the learning rate: batch size and the model's width.
 SEARCH = {

@@ -14,7 +14,7 @@ Three sides, the same config but for the checkpoint settings, alternated over `-
   none   `checkpoint.every: epochs`: only the last epoch saves (nothing between epochs)
   sync   every epoch saves and training waits for the copy
   async  every epoch saves; the copy runs beside the next epoch (the last one's is waited for)
-Figures per side, from rank 0's epoch records (relay.history) of epochs 2..N:
+Figures per side, from rank 0's epoch records (relay.records.history) of epochs 2..N:
   throughput  training samples/s (the training passes only); none's over async's, minus 1, is
               the step-time hit of a copy running beside training (the issue's goal: <= 5%)
   stall       the time between one epoch's record and the next one's beyond the next epoch's
@@ -69,7 +69,7 @@ def run_config(args: argparse.Namespace, storage: Path, side: str) -> dict:
 
 
 def measure_run(args: argparse.Namespace, storage: Path, side: str) -> dict[str, Any]:
-    from relay import history
+    from relay.records import history
 
     result, wall_s, others = fit_watched(run_config(args, storage, side), args.show_progress)
     records = history.read(result.run_dir)

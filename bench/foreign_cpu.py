@@ -129,15 +129,18 @@ def busy_text(cores: float | None) -> str:
 
 
 def fit_watched(cfg_dict: dict[str, Any], show_progress: bool, training: tuple[bytes, ...] = ()):
-    """`relay.trainer.fit` of a config dict, watched: (result, wall seconds, the watcher: its
+    """`relay.training.trainer.fit` of a config dict, watched: (result, wall seconds, the watcher:
+    its
     `cores` are others', `between` splits the bench's own with `training`)."""
     import relay.config
-    import relay.trainer
+    import relay.training.trainer
 
     cfg = relay.config.from_dict(cfg_dict)
     called = time.perf_counter()
     with ForeignCPU(training=training) as others:
-        result = relay.trainer.fit(cfg, register=False, out=sys.stderr if show_progress else None)
+        result = relay.training.trainer.fit(
+            cfg, register=False, out=sys.stderr if show_progress else None
+        )
     wall_s = time.perf_counter() - called
     if result.efficiency is None:
         raise RuntimeError(f"run {result.run_id} returned no efficiency report")

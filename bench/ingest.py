@@ -2,7 +2,7 @@
 
 How fast data reaches 2 trainer workers, three ways, in one run, over the same rows:
 
-- `ray_data`: relay's file ingest (relay/sources.py → `TorchTrainer(datasets=)` →
+- `ray_data`: relay's file ingest (relay/training/sources.py → `TorchTrainer(datasets=)` →
   `data.ShardBatches`, streaming): Parquet files of text lines, tokenised on Ray Data's tasks
   by charlm's `preprocess` (lines packed into windows of block_size + 1 bytes);
 - `in_memory`: the same windows, tokenised up front, through relay's object-store ingest
@@ -42,10 +42,11 @@ import pyarrow.parquet as pq
 import torch
 from rounds import alternated_sides
 
-from relay import cluster, ingest, trainer
 from relay.config import RunConfig, from_dict
-from relay.data import SHUFFLE_BUFFER_BATCHES
+from relay.runtime import cluster
 from relay.tasks import build_task
+from relay.training import ingest, trainer
+from relay.training.data import SHUFFLE_BUFFER_BATCHES
 
 SIDES = ("ray_data", "in_memory", "dataloader")
 FILES = 8
@@ -97,7 +98,7 @@ def _deliver(loop_config: dict) -> list[dict] | None:
     seconds and rows per epoch."""
     import torch.distributed as dist
 
-    from relay import ingest as worker_ingest
+    from relay.training import ingest as worker_ingest
 
     batches = worker_ingest.open_batches(
         loop_config["data"],

@@ -9,10 +9,11 @@ fp32 weights, gradients and Adam moments take ~963 MiB per whole replica — the
 memory-wall test (tests/test_memory_wall.py), where a 512 MiB limit per worker stops ddp and
 not fsdp on 4 workers.
 
-Part 1, runs: one `relay.trainer.fit` per (strategy, workers) — 2 workers with 1 CPU each, 4
+Part 1, runs: one `relay.training.trainer.fit` per (strategy, workers) — 2 workers with 1 CPU each,
+4
 with 0.5 — of 1 epoch at batch 64, each worker under `scaling.memory_per_worker: 4GiB` (far
 above what any of them needs: it is there so every run takes the same code path, including
-the allocator setting a limit brings, see relay.worker_memory). Figures per rank, from the
+the allocator setting a limit brings, see relay.runtime.worker_memory). Figures per rank, from the
 run's efficiency report:
   growth   peak RSS minus RSS when the loop started: all that training added (model state,
            activations, gathered parameters, a full checkpoint's gather on rank 0, buffers)
@@ -20,11 +21,11 @@ run's efficiency report:
            model is built and its state loaded, before any step, minus RSS at the start (fsdp
            builds on the meta device: each rank materialises its shards, one module whole at
            a time)
-  state    the bytes parameters, gradients and optimizer state occupy (relay.footprint)
+  state    the bytes parameters, gradients and optimizer state occupy (relay.training.footprint)
   plan     `relay plan`'s total for the same config and worker count (model state +
            gathered parameters + activations), computed here in the bench's process
   activations  what one forward of a training batch adds until its backward, measured on the
-           rank (relay.efficiency.activation_bytes), against the plan's activations
+           rank (relay.training.efficiency.activation_bytes), against the plan's activations
 Ratios: fsdp/ddp and zero1/ddp of the fullest rank's growth, at each worker count (the issue's
 goal: fsdp/ddp <= 0.55 at 2 workers, <= 0.35 at 4) and of its start-up (the issue: "peak host
 memory per rank at start proportional to 1/N of the model"), and growth/plan, state/plan-state and
@@ -79,7 +80,7 @@ def run_config(args: argparse.Namespace, storage: Path, strategy: str, workers: 
 
 def planned(cfg_dict: dict, workers: int) -> dict[str, int]:
     import relay.config
-    from relay import plan
+    from relay.training import plan
 
     cfg = relay.config.from_dict(cfg_dict)
     report = plan.plan(cfg, workers, device_memory=64 << 30)
@@ -126,7 +127,8 @@ def _save_worker(rank: int, args: argparse.Namespace, port: int, directory: str,
     import torch
     import torch.distributed as dist
 
-    from relay import checkpoint, parallel
+    from relay import parallel
+    from relay.checkpoints import checkpoint
     from relay.config import ParallelConfig
     from relay.tasks import build_task
 

@@ -29,8 +29,9 @@ from pathlib import Path
 import asha_vs_random as base  # bench/ is the script's directory, so on sys.path
 from rounds import alternated_sides
 
-from relay import cluster, sweep
 from relay.config import sweep_from_dict
+from relay.runtime import cluster
+from relay.tuning import sweep
 
 
 def parse_args() -> argparse.Namespace:

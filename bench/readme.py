@@ -419,7 +419,8 @@ def ingest(f: dict[str, Any]) -> str:
 
 TABLE = {
     "train_overhead": (
-        "2-worker relay `TorchTrainer` vs plain `torchrun`, the same epoch code (relay.epochs)",
+        "2-worker relay `TorchTrainer` vs plain `torchrun`, the same epoch code "
+        "(relay.training.epochs)",
         train_overhead,
     ),
     "scaling": ("1 → 2 workers, relay and plain torchrun side by side", scaling),

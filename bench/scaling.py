@@ -4,10 +4,11 @@
 Data-parallel scaling of one training config from 1 to 2 CPU workers, relay next to plain
 torchrun, in one run.
 
-Method: the same config is trained at 1 and 2 workers by relay (`relay.trainer.fit`, one
+Method: the same config is trained at 1 and 2 workers by relay (`relay.training.trainer.fit`, one
 embedded Ray cluster, one temporary storage dir) and by plain torchrun (bench/torchrun_ddp.py
 at 1 and 2 processes, launched by bench/torchrun.py), in one bench run. The torchrun side runs
-relay's own epoch code (`relay.epochs.Epochs` over `relay.parallel.Engine`, same DDP options,
+relay's own epoch code (`relay.training.epochs.Epochs` over `relay.parallel.Engine`, same DDP
+options,
 same batching, same training-pass clock) without Ray: its speedup is the independent figure
 relay's is compared against. Every worker (process) reserves one CPU
 (`resources_per_worker {CPU: 1}`) and runs one intra-op thread (`threads_per_worker 1`), and
@@ -101,7 +102,7 @@ every second), and the bench warns and counts `busy_runs` when that averages ove
 
 The 2-host point (`--hosts`): what the network hop costs. A cluster of two hosts on this
 machine, each a network namespace with its own raylet and object store, linked by veth pairs
-through a bridge (relay.netns_cluster), runs the same 2-worker config as above (submitted with
+through a bridge (netns_cluster), runs the same 2-worker config as above (submitted with
 `ray job submit` of jobs/train.py from host 0) placed two ways: both workers on host 0 (each asks
 for the custom resource `host0`; gloo over loopback) and one worker per host (each asks for a
 `worker_slot`, of which each host has one; gloo over the veth link, the only way between the
@@ -501,7 +502,7 @@ PLACEMENTS = {"one_host": {"host0": 1}, "two_hosts": {"worker_slot": 1}}
 
 def submit_run(cluster, cfg_dict: dict[str, Any], config_dir: Path) -> dict[str, Any]:
     """`ray job submit` of jobs/train.py CONFIG --json from host 0; the run's figures."""
-    from relay import history, registry
+    from relay.records import history, registry
 
     path = config_dir / f"{cfg_dict['name']}.yaml"
     path.write_text(json.dumps(cfg_dict))  # YAML reads JSON
@@ -528,7 +529,9 @@ def submit_run(cluster, cfg_dict: dict[str, Any], config_dir: Path) -> dict[str,
 
 
 def hosts_main(args: argparse.Namespace) -> None:
-    from relay.netns_cluster import NetnsCluster, netns_unavailable
+    # The namespace-cluster harness lives beside the tests, not among relay's modules.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "harness"))
+    from netns_cluster import NetnsCluster, netns_unavailable
 
     if reason := netns_unavailable():
         sys.exit(f"the 2-host point needs network namespaces: {reason}")

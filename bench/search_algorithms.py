@@ -43,8 +43,10 @@ from pathlib import Path
 from asha_vs_random import spread  # bench/ is the script's directory, so on sys.path
 from rounds import alternated
 
-from relay import cluster, history, registry, sweep
 from relay.config import sweep_from_dict
+from relay.records import history, registry
+from relay.runtime import cluster
+from relay.tuning import sweep
 
 ARMS = ("random", "tpe", "pbt")
 

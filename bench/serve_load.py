@@ -131,7 +131,7 @@ def run_plain_server(checkpoint_dir: str, port: int) -> None:
     from fastapi.responses import JSONResponse
     from pydantic import ValidationError
 
-    from relay.checkpoint import load_model
+    from relay.checkpoints.checkpoint import load_model
 
     torch.set_num_threads(1)
     task, model = load_model(checkpoint_dir)
@@ -394,7 +394,9 @@ def make_checkpoint(
     """A digits model registered as the next version of `name` in `storage`."""
     import torch
 
-    from relay import checkpoint, config, registry
+    from relay import config
+    from relay.checkpoints import checkpoint
+    from relay.records import registry
     from relay.tasks import build_task
 
     model_overrides = {"hidden": [int(w) for w in hidden.split(",")]} if hidden else {}

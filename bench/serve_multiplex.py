@@ -143,7 +143,7 @@ def run_multiplexed_server(storage: str, port: int) -> None:
     import ray
     from ray import serve
 
-    from relay import cluster
+    from relay.runtime import cluster
     from relay.serving import app, ingress
 
     args = app.AppArgs(model=[f"{name}:1" for name in MODELS], storage=storage, num_cpus=0.5)

@@ -1,18 +1,20 @@
 """.venv/bin/python bench/startup.py [--repeats 3] [--workers 2] [--sides relay ray_defaults]
 
 Per-run start-up: what relay adds between `fit()` and the first training step over Ray Train's
-own floor, and what relay's run switches (`relay.cluster.RUN_SWITCHES`) save, in one bench run.
+own floor, and what relay's run switches (`relay.runtime.cluster.RUN_SWITCHES`) save, in one bench
+run.
 
 Each round is a fresh child process (`--child SIDE`) that starts its own local Ray cluster
-(`relay.cluster.connect`) and, after one uncounted warm-up run (a 1-worker floor: the first
+(`relay.runtime.cluster.connect`) and, after one uncounted warm-up run (a 1-worker floor: the first
 Train run after `ray.init` pays for cold caches), runs in this order:
 
   floor   a bare `TorchTrainer` with the same workers and resources per worker as relay's run,
           whose loop only reports once (no data, no model): `fit()` → the loop's first line.
-  run     `relay.trainer.fit` of a small task (digits, debug size, 1 epoch): `fit()` → the end
+  run     `relay.training.trainer.fit` of a small task (digits, debug size, 1 epoch): `fit()` → the
+  end
           of the first training step (the efficiency report's `startup.total_s`, which starts
           when relay's fit() starts: connect, prepare, worker group, model and data, first step).
-  trial   a 1-trial sweep through `relay.sweep.run` (the same task, 1 epoch): inside the Tune
+  trial   a 1-trial sweep through `relay.tuning.sweep.run` (the same task, 1 epoch): inside the Tune
           trial, relay's `fit()` → the end of its first step, from that trial's run record.
 
 A Train callback (`Marks`, here) stamps, on the controller, when it started and when its worker
@@ -55,7 +57,7 @@ from typing import Any
 
 from rounds import alternated_sides
 
-from relay.cluster import RUN_SWITCHES
+from relay.runtime.cluster import RUN_SWITCHES
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -179,7 +181,8 @@ def task_settings(workers: int, storage: Path) -> dict:
 
 def relay_run(workers: int, storage: Path) -> dict:
     import relay.config
-    from relay import registry, trainer
+    from relay.records import registry
+    from relay.training import trainer
 
     cfg = relay.config.from_dict(task_settings(workers, storage))
     result = trainer.fit(cfg, out=None, register=False, callbacks=[Marks()])
@@ -188,8 +191,9 @@ def relay_run(workers: int, storage: Path) -> dict:
 
 
 def trial_run(workers: int, storage: Path) -> dict:
-    from relay import registry, sweep
     from relay.config import sweep_from_dict
+    from relay.records import registry
+    from relay.tuning import sweep
 
     spec = {
         "name": "startup",
@@ -214,7 +218,7 @@ def actor_counts() -> dict[str, int]:
 
 def child(args: argparse.Namespace) -> None:
     """One side: start a cluster, warm up, measure each run once, write the figures."""
-    from relay import cluster
+    from relay.runtime import cluster
 
     with tempfile.TemporaryDirectory(prefix="relay-bench-startup-") as tmp:
         marks, storage = Path(tmp) / "marks", Path(tmp) / "runs"

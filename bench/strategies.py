@@ -4,7 +4,8 @@ Memory and speed of relay's parallel strategies (ddp, zero1, fsdp), each in fp32
 same 2-worker charlm run: 6 runs in one benchmark, on one embedded Ray cluster.
 
 Method: one config, changed only in `parallel.strategy` and `parallel.mixed_precision`, trained
-with `relay.trainer.fit` (2 workers, each reserving one CPU and running one intra-op thread; same
+with `relay.training.trainer.fit` (2 workers, each reserving one CPU and running one intra-op
+thread; same
 seed, data split, per-worker batch and epochs). Every figure is read from the run itself: its
 history (per-epoch samples/s, final validation loss) and relay's efficiency report (measured on
 the workers after the last epoch).
@@ -18,7 +19,8 @@ its full 2 MB corpus would take minutes per epoch. About 4-5 minutes in all.
 
 Per run:
   state/rank   the bytes that parameters, gradients and optimizer state really occupy on each
-               rank after the last training step, as the report measures them (relay.footprint:
+               rank after the last training step, as the report measures them
+               (relay.training.footprint:
                every live tensor followed to its storage, each storage counted once: FSDP's
                padded shards, DDP's gradient buckets, ZeRO's partition). ddp holds everything;
                zero1 shards the optimizer state (by whole parameters); fsdp shards all three.
@@ -379,7 +381,8 @@ def main(argv: list[str] | None = None) -> None:
         "zero1_state_ratio_per_rank": state_ratios["zero1"][0],
         "zero1_rss_growth_ratio": growth_ratios["zero1"][1],
         "zero1_rss_growth_ratio_per_rank": growth_ratios["zero1"][0],
-        "state_measure": "relay.footprint: live storages of params, grads, optimizer state, "
+        "state_measure": "relay.training.footprint: live storages of params, grads, "
+        "optimizer state, "
         "each once, after the last training step",
         "rss_growth_measure": "peak RSS minus RSS at the training loop's start, per rank",
         "bf16_speedup": bf16_speedups.get("ddp"),

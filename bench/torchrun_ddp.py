@@ -3,12 +3,14 @@
 .venv/bin/torchrun --nnodes 1 --nproc_per_node N --master_addr 127.0.0.1 --master_port PORT \
     bench/torchrun_ddp.py --config '<RunConfig as JSON>' --out timings.json
 
-Each process runs what one relay Train worker runs (relay/loop.py's `train_loop_per_worker`),
+Each process runs what one relay Train worker runs (relay/training/loop.py's
+`train_loop_per_worker`),
 by importing the same code rather than restating it: `relay.parallel.Engine` (the same
 strategy wrapping, DDP options, precision, gradient accumulation and clipping),
-`relay.epochs.Epochs` (the same passes, with the training-pass clock stopped at the same point,
+`relay.training.epochs.Epochs` (the same passes, with the training-pass clock stopped at the same
+point,
 before the cross-rank sum of the statistics), the optimizer and LR schedule from the shared
-builders with the real number of steps per epoch, and `relay.epochs.CachedBatches` (relay's
+builders with the real number of steps per epoch, and `relay.training.epochs.CachedBatches` (relay's
 `data.cache` mode: the shard held as tensors, a seeded permutation per epoch). Threads per
 process, seed and every setting come from the RunConfig, as in relay.
 
@@ -20,7 +22,7 @@ Data) has no equivalent here and is refused.
 
 Rank 0 writes per-epoch metrics and timings and absolute `time.time()` stamps (process start,
 end of each epoch), plus `steady` (Epochs.steady(): the training passes of epochs 2..N, as
-relay's efficiency report counts them), as JSON to `--out`. It imports no Ray (relay.epochs
+relay's efficiency report counts them), as JSON to `--out`. It imports no Ray (relay.training.epochs
 and relay.parallel are Ray-free), so start-up is torch + the task only.
 """
 
@@ -41,7 +43,9 @@ import torch.distributed as dist  # noqa: E402
 
 from relay import parallel  # noqa: E402
 from relay.config import ConfigError, RunConfig, from_dict  # noqa: E402
-from relay.epochs import (  # noqa: E402
+from relay.tasks import build_task  # noqa: E402
+from relay.tasks.base import Columns  # noqa: E402
+from relay.training.epochs import (  # noqa: E402
     CachedBatches,
     Epochs,
     build_scheduler,
@@ -49,8 +53,6 @@ from relay.epochs import (  # noqa: E402
     steps_per_epoch,
     to_tensors,
 )
-from relay.tasks import build_task  # noqa: E402
-from relay.tasks.base import Columns  # noqa: E402
 
 IMPORTED = time.time()
 

@@ -3,10 +3,12 @@
 What relay costs over plain `torchrun` for the same DDP training, measured in one run.
 
 Both sides run one RunConfig (the same dict, validated by `relay.config.from_dict`) and the
-same epoch code: relay's workers and the torchrun processes both drive `relay.epochs.Epochs`
+same epoch code: relay's workers and the torchrun processes both drive
+`relay.training.epochs.Epochs`
 over `relay.parallel.Engine` (DDP over gloo with the same options, e.g.
 `gradient_as_bucket_view`), build the optimizer and LR schedule with the same builders, iterate
-the cached shard with `relay.epochs.CachedBatches`, and stop the training-pass clock at the same
+the cached shard with `relay.training.epochs.CachedBatches`, and stop the training-pass clock at
+the same
 point (inside `Epochs.train`, before the statistics' all-reduce). Same task model, data split,
 seed, workers, intra-op threads, per-worker batch size, epochs, per-epoch shuffle and
 validation pass:

@@ -49,10 +49,11 @@ def main() -> int:
     from ray import serve
 
     import relay
-    from relay import cluster, sweep
     from relay.config import load_sweep
+    from relay.runtime import cluster
     from relay.serving.app import AppArgs, build, resolve_models
     from relay.tasks import build_task
+    from relay.tuning import sweep
 
     quick = ["size=debug", "epochs=3"] if args.quick else []
     cluster.connect()

@@ -75,7 +75,7 @@ def ray_cluster(relay_home):
     (test_multinode.py's simulated nodes) shut it down."""
     import ray
 
-    from relay import cluster
+    from relay.runtime import cluster
 
     os.environ["RAY_ADDRESS"] = "local"  # never join a `ray start` cluster another test runs
     cluster.connect(num_cpus=4)

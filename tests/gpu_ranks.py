@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
-from relay import footprint, parallel
+from relay import parallel
 from relay.config import OptimConfig, ParallelConfig
-from relay.epochs import optimizer_spec
 from relay.tasks import build_task
+from relay.training import footprint
+from relay.training.epochs import optimizer_spec
 
 ROWS_PER_RANK_STEP = 16
 STEPS = 4

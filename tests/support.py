@@ -15,7 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from relay.processes import session_members, stop_session  # noqa: F401 - for the tests
+from relay.runtime.processes import session_members, stop_session  # noqa: F401 - for the tests
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

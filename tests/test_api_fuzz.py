@@ -58,7 +58,8 @@ from schemathesis.specs.openapi.checks import (
 )
 from test_serve import make_version, serving
 
-from relay import checkpoint, registry
+from relay.checkpoints import checkpoint
+from relay.records import registry
 from relay.tasks import resolve_task_class
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from relay import checkpoint
+from relay.checkpoints import checkpoint
 from relay.config import ScheduleConfig
-from relay.epochs import build_scheduler
 from relay.tasks import build_task
+from relay.training.epochs import build_scheduler
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -88,8 +88,8 @@ def _sharded(directory, name: str = "charlm"):
     """A sharded checkpoint as one rank writes it (DCP without a process group), with the
     trained model it holds."""
     from relay.config import OptimConfig, ParallelConfig
-    from relay.epochs import optimizer_spec
     from relay.parallel import Engine
+    from relay.training.epochs import optimizer_spec
 
     task, model, optimizer, scheduler = _trained(name)
     engine = Engine(model, ParallelConfig(), *optimizer_spec(OptimConfig()))

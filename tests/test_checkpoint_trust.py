@@ -23,7 +23,9 @@ import pytest
 import torch
 from support import BIN, subprocess_env
 
-from relay import checkpoint, config, registry
+from relay import config
+from relay.checkpoints import checkpoint
+from relay.records import registry
 from relay.tasks import build_task
 
 pytestmark = pytest.mark.timeout(120)
@@ -186,7 +188,7 @@ def test_allow_task_must_name_a_module_and_class(attack):
 _IN_PROCESS = textwrap.dedent(
     """
     import json, sys
-    from relay import checkpoint
+    from relay.checkpoints import checkpoint
     from relay.serving import model_table
 
     path = sys.argv[1]
@@ -237,8 +239,8 @@ def test_a_replica_and_the_python_api_import_only_what_was_allowed(attack):
 def _sharded(directory: Path) -> Path:
     """A sharded checkpoint as one rank writes it (DCP without a process group)."""
     from relay.config import OptimConfig, ParallelConfig
-    from relay.epochs import optimizer_spec
     from relay.parallel import Engine
+    from relay.training.epochs import optimizer_spec
 
     torch.manual_seed(0)
     model = build_task("regression", "debug").build_model()
@@ -268,7 +270,7 @@ def _point_storage_at(path_of) -> callable:
 
 @pytest.mark.parametrize("where", ["parent", "absolute"])
 def test_a_shard_index_pointing_outside_shards_is_refused(tmp_path, where):
-    from relay.consolidate import consolidate
+    from relay.checkpoints.consolidate import consolidate
 
     directory = _sharded(tmp_path / "ckpt")
     shards = directory / checkpoint.SHARDS
@@ -288,7 +290,7 @@ def test_a_shard_index_pointing_outside_shards_is_refused(tmp_path, where):
 def test_a_shard_index_claiming_a_huge_tensor_is_refused_before_allocation(tmp_path, claim):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 
-    from relay.consolidate import export
+    from relay.checkpoints.consolidate import export
 
     directory = _sharded(tmp_path / "ckpt")
 

@@ -25,7 +25,7 @@ from support import (
     tensorboard_scalars,
 )
 
-from relay import history, registry
+from relay.records import history, registry
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -188,7 +188,7 @@ def _check_mlflow_run(uri: str, result: dict, epochs: list[dict], tmp_path) -> N
     assert artifact("relay/meta.json") == json.loads(checkpoint_meta.read_text())
     version = client.get_model_version_by_alias("sinetask", "best")
     assert version.run_id == run.info.run_id and version.tags["relay.version"] == "1"
-    assert version.tags["relay.checkpoint"] == result["checkpoint"]
+    assert version.tags["relay.checkpoints.checkpoint"] == result["checkpoint"]
     assert version.source == f"runs:/{run.info.run_id}/relay-checkpoint"
 
 

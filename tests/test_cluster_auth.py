@@ -7,7 +7,7 @@ Ray 2.60 turns token authentication on by itself only for a cluster `ray.init()`
 machine, and otherwise serves its job API (arbitrary code) to anyone who reaches it. The test
 runs the page's shell lines as written, in a home directory of its own (so it neither reads
 nor writes the user's ~/.ray), adding only the ports, temp dir and `--block` a test needs.
-The namespace-cluster demo (relay.netns_cluster) prints a client line that names a 0600 token
+The namespace-cluster demo (netns_cluster) prints a client line that names a 0600 token
 file, never the token.
 """
 
@@ -23,9 +23,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from netns_cluster import NetnsCluster, client_auth_env
 from support import BIN, REPO, free_ports, stop_session, subprocess_env, wait_for_job_server
-
-from relay.netns_cluster import NetnsCluster, client_auth_env
 
 pytestmark = pytest.mark.timeout(240)
 

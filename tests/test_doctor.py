@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 
 import relay
-from relay import cli, doctor, registry
+from relay import cli
 from relay.config import from_dict
+from relay.observe import doctor
+from relay.records import registry
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,4 +1,4 @@
-"""The Ray-free epoch code (relay.epochs over relay.parallel) that relay's workers and the
+"""The Ray-free epoch code (relay.training.epochs over relay.parallel) that relay's workers and the
 plain-torchrun baseline both run: pure torch, one process, no Ray."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 
 from relay import parallel
 from relay.config import from_dict
-from relay.epochs import (
+from relay.tasks import build_task
+from relay.training.epochs import (
     CachedBatches,
     Epochs,
     build_scheduler,
@@ -21,7 +22,6 @@ from relay.epochs import (
     steps_per_epoch,
     to_tensors,
 )
-from relay.tasks import build_task
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_epoch_code_imports_no_ray():
     # A fresh interpreter: this test process may have imported Ray already.
     check = (
-        "import relay.epochs, relay.parallel, sys; "
+        "import relay.training.epochs, relay.parallel, sys; "
         "assert not any(m == 'ray' or m.startswith('ray.') for m in sys.modules), "
         "sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.'))"
     )

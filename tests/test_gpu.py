@@ -59,7 +59,7 @@ def _charlm(overrides: list[str] = (), base: list[str] = DEBUG):
 def _engine(cfg, task, precision: str = "none", seed: int = 0):
     from relay import parallel
     from relay.config import ParallelConfig
-    from relay.epochs import optimizer_spec
+    from relay.training.epochs import optimizer_spec
 
     torch.manual_seed(seed)
     par = ParallelConfig(strategy="ddp", mixed_precision=precision)
@@ -126,7 +126,7 @@ def test_the_cuda_allocator_holds_what_relay_plan_predicts(gpu_rank, precision):
     activations within 15% (the issue's tolerance; CUDA's autocast casts other ops than the
     CPU's, where the plan measures). The default-size model (0.84M parameters): large enough
     that the rounding is far inside 2%."""
-    from relay import plan
+    from relay.training import plan
 
     cfg, task = _charlm([f"parallel.mixed_precision={precision}"], base=["model.dropout=0.0"])
     report = plan.plan(cfg, 1, torch.cuda.get_device_properties(0).total_memory)
@@ -171,7 +171,7 @@ def test_a_sharded_checkpoint_written_from_the_gpu_resumes_exactly_and_consolida
 ):
     from safetensors.torch import load_file
 
-    from relay import consolidate
+    from relay.checkpoints import consolidate
 
     cfg, task = _charlm()
     batches = _batches(task, cfg, 5, gpu_rank)
@@ -260,7 +260,8 @@ def test_a_relay_run_trains_on_the_gpu_through_ray_train(tmp_path, monkeypatch):
     import ray
 
     import relay
-    from relay import checkpoint, cluster
+    from relay.checkpoints import checkpoint
+    from relay.runtime import cluster
 
     monkeypatch.setenv("RELAY_HOME", str(tmp_path))
     monkeypatch.setenv("RAY_ADDRESS", "local")

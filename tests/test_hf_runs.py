@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import relay
-from relay import checkpoint
+from relay.checkpoints import checkpoint
 from relay.config import from_dict
 from relay.tasks.hf import tokenizer
 from relay.tasks.hf.classification import STATEMENTS, statement_lines

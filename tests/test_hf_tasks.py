@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from relay import checkpoint, parallel
+from relay import parallel
+from relay.checkpoints import checkpoint
 from relay.cli import main as relay_main
 from relay.config import ConfigError, from_dict
 from relay.tasks import build_task

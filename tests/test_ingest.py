@@ -1,4 +1,5 @@
-"""The object-store ingest (relay/ingest.py) on the shared local Ray cluster: a run's in-memory
+"""The object-store ingest (relay/training/ingest.py) on the shared local Ray cluster: a run's
+in-memory
 data reaches every rank without a Ray Data SplitCoordinator, and every rank gets its exact rows.
 """
 
@@ -13,10 +14,10 @@ import yaml
 from support import REPO
 
 import relay
-from relay import ingest, sources
 from relay.config import from_dict
 from relay.tasks import build_task
 from relay.tasks.base import Split
+from relay.training import ingest, sources
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -165,7 +166,7 @@ def _actors(class_name: str) -> set[str]:
 @pytest.mark.slow
 def test_in_memory_data_starts_no_split_coordinator_streaming_does(ray_cluster, relay_home):
     """Nor Ray Train's DatasetManager, which Ray starts for every worker group, Datasets or not
-    (relay.cluster.torch_trainer leaves it out of a run without them)."""
+    (relay.runtime.cluster.torch_trainer leaves it out of a run without them)."""
     watched = ("SplitCoordinator", "DatasetManager")
 
     def run(cache: bool) -> dict[str, set[str]]:
@@ -194,7 +195,7 @@ def test_in_memory_data_starts_no_split_coordinator_streaming_does(ray_cluster, 
     assert (len(started["SplitCoordinator"]), len(started["DatasetManager"])) == (2, 1), started
 
 
-# --- data from files (relay/sources.py) -----------------------------------------------------------
+# --- data from files (relay/training/sources.py) --------------------------------------------------
 
 
 def _write_parquet(directory, ids: np.ndarray, files: int) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support import BIN, REPO, free_ports, stop_session, subprocess_env, wait_for_job_server
 
-from relay import registry
+from relay.records import registry
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 

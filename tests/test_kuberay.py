@@ -1185,7 +1185,8 @@ def dockerfile_problems(text: str, ignore_patterns: list[str]) -> list[str]:
     if venv is None or not any(f"python -m venv {venv}" in run for run in builder.runs):
         problems.append("the runtime stage does not copy the builder's venv")
     else:
-        # relay/doctor/stacks.py runs the py-spy beside the venv's python. Only the debug target
+        # relay/observe/doctor/stacks.py runs the py-spy beside the venv's python. Only the debug
+        # target
         # may give it the ptrace file capability: a pod without SYS_PTRACE (Pod Security
         # "restricted") cannot even exec a binary that carries it.
         setcap = f"setcap cap_sys_ptrace+ep {venv}/bin/py-spy"

@@ -32,7 +32,8 @@ DRIVER = textwrap.dedent(
     import ray
 
     import relay
-    import relay.trainer, relay.sources, ray.data, ray.train.torch, torch  # imported up front
+    # imported up front
+    import relay.training.trainer, relay.training.sources, ray.data, ray.train.torch, torch
     from relay.config import from_dict
 
     config, store_bytes = json.loads(sys.argv[1]), int(sys.argv[2])

@@ -1,6 +1,6 @@
 """Real multi-host training on one machine: two "hosts", each a network namespace with its own
 address, host name, `ray start` (raylet, object store, temp dir) and a veth link to a bridge
-(relay/netns_cluster.py). `ray job submit` from host 0 runs jobs/train.py with one worker per
+(harness/netns_cluster.py). `ray job submit` from host 0 runs jobs/train.py with one worker per
 host, so gloo's collectives cross the veth link — the namespaces have no other way to each
 other — and the test proves where each rank ran.
 
@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+from netns_cluster import NetnsCluster, netns_unavailable
 from support import BIN, REPO, wait_for_checkpoint
 
-from relay import history, registry
-from relay.doctor import heartbeat
-from relay.netns_cluster import NetnsCluster, netns_unavailable
-from relay.processes import stop_session
+from relay.observe.doctor import heartbeat
+from relay.records import history, registry
+from relay.runtime.processes import stop_session
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -17,8 +17,11 @@ import pytest
 from support import process_gone, train_worker_pids
 
 import relay
-from relay import checkpoint, history, plan, registry, worker_memory
+from relay.checkpoints import checkpoint
 from relay.config import from_dict
+from relay.records import history, registry
+from relay.runtime import worker_memory
+from relay.training import plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -18,8 +18,8 @@ import time
 import pytest
 
 import relay
-from relay import history
 from relay.config import from_dict
+from relay.records import history
 from relay.tasks import build_task
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -30,7 +30,7 @@ def two_nodes(relay_home):
     import ray
     from ray.cluster_utils import Cluster
 
-    from relay.cluster import REPORT_POLL_INTERVAL_S
+    from relay.runtime.cluster import REPORT_POLL_INTERVAL_S
 
     ray.shutdown()  # the shared single-node cluster; the next module that needs it restarts it
     # Nodes inherit this process's environment; the controller reads the poll interval from it.

@@ -13,10 +13,11 @@ import torch
 import yaml
 from support import subprocess_env, sweep_driver
 
-from relay import history, registry, sweep
 from relay.config import ConfigError, SweepConfig, sweep_from_dict
-from relay.epochs import build_scheduler, fast_forward, to_tensors
+from relay.records import history, registry
 from relay.tasks import build_task
+from relay.training.epochs import build_scheduler, fast_forward, to_tensors
+from relay.tuning import sweep
 
 EPOCHS, INTERVAL = 4, 2
 
@@ -139,7 +140,7 @@ def test_a_copied_optimizer_trains_with_the_new_configs_hyperparameters():
     """torch's load_state_dict brings the saving run's lr and weight decay along; relay's loop
     puts the trial's own back before the schedule sets the lr."""
     from relay.config import RunConfig
-    from relay.loop import _config_hyperparameters_win
+    from relay.training.loop import _config_hyperparameters_win
 
     model = torch.nn.Linear(3, 2)
     donor = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.0)
@@ -170,7 +171,8 @@ def test_a_seeded_sweeps_explore_draws_the_same_at_the_same_point(tmp_path):
     import numpy as np
     from ray.tune.schedulers.pbt import _explore
 
-    from relay import cluster, pbt
+    from relay.runtime import cluster
+    from relay.tuning import pbt
 
     spec = pbt_spec(tmp_path, search={
         "optim.lr": {"loguniform": [1e-5, 3e-2]},

@@ -15,8 +15,8 @@ from support import BIN, REPO, subprocess_env
 
 from relay import config
 from relay.cli import main
-from relay.plan import parse_bytes
 from relay.tasks import build_task
+from relay.training.plan import parse_bytes
 
 CHARLM = "jobs/configs/charlm.yaml"
 DIGITS = "jobs/configs/digits.yaml"
@@ -73,13 +73,15 @@ ENGINE_VARIANTS = [("ddp", "none"), ("zero1", "none"), ("fsdp", "none"), ("fsdp"
 def _engine_footprints(loop_config: dict) -> dict | None:
     """On every rank: each case's model in a real `parallel.Engine` under each variant, one
     real optimizer step on real rows, then the bytes its parameters, gradients and optimizer
-    state occupy (relay.footprint: live storages, each once). Rank 0 returns every rank's."""
+    state occupy (relay.training.footprint: live storages, each once). Rank 0 returns every
+    rank's."""
     import torch
 
-    from relay import config, efficiency, footprint, parallel
+    from relay import config, parallel
     from relay.config import ParallelConfig
-    from relay.epochs import optimizer_spec
     from relay.tasks import build_task
+    from relay.training import efficiency, footprint
+    from relay.training.epochs import optimizer_spec
 
     torch.set_num_threads(1)
     out: dict = {}
@@ -298,7 +300,7 @@ def test_bad_flags_exit_2_naming_them(capsys):
 _FLOPS_PROBE = """
 import json, resource
 from torch import nn
-from relay.efficiency import model_flops_per_sample
+from relay.training.efficiency import model_flops_per_sample
 from relay.tasks import build_task
 task = build_task("digits", "default", {"hidden": [8192] * 8}, None)
 batch = task.first_rows(task.load_data(0.1, 0).train, 8)

@@ -39,9 +39,10 @@ from support import (
 )
 
 import relay
-from relay import checkpoint, history, registry
+from relay.checkpoints import checkpoint
 from relay.config import from_dict
-from relay.doctor import heartbeat
+from relay.observe.doctor import heartbeat
+from relay.records import history, registry
 from relay.tasks import build_task
 
 pytestmark = pytest.mark.slow
@@ -506,7 +507,7 @@ def test_two_runs_started_together_on_one_storage_root(tmp_path):
 _HAMMER = """
 import sys
 from pathlib import Path
-from relay import registry
+from relay.records import registry
 storage, writer = Path(sys.argv[1]), int(sys.argv[2])
 run_dir = registry.runs_root(storage) / f"run-{writer}"
 run_dir.mkdir(parents=True, exist_ok=True)

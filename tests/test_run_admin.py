@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from support import REPO
 
-from relay import config, registry
+from relay import config
 from relay.cli import main
+from relay.records import registry
 
 pytestmark = pytest.mark.timeout(60)
 

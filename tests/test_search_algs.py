@@ -20,8 +20,9 @@ import yaml
 from support import subprocess_env, sweep_driver
 from test_sweep import _finished_trials, relay_json, sweep_config
 
-from relay import registry, sweep
 from relay.config import SweepConfig, trial_config
+from relay.records import registry
+from relay.tuning import sweep
 
 pytestmark = pytest.mark.timeout(480)
 

@@ -84,8 +84,8 @@ def test_a_tracking_uri_without_credentials_is_taken_as_it_is(uri):
 def test_a_run_recorded_with_a_password_in_its_uri_shows_it_in_no_page_line_or_mark(tmp_path):
     """A run recorded before relay refused such URIs: its report page, where-line and a
     failure to reach MLflow (the mark file and its line) show the URI without the password."""
-    from relay import report
-    from relay.tracking import failures, mlflow_runs
+    from relay.observe.tracking import failures, mlflow_runs
+    from relay.records import report
 
     uri = f"http://admin:{SECRET}@127.0.0.1:9"  # nothing listens there: each call fails
     record = {
@@ -153,8 +153,8 @@ TELEMETRY_PROBE = textwrap.dedent(
     """
     import json, os, sys, time, urllib.request
     import ray
-    from relay import cluster
-    from relay.tracking import mlflow_runs
+    from relay.runtime import cluster
+    from relay.observe.tracking import mlflow_runs
 
     cluster.connect(num_cpus=1)
     names = ("RAY_USAGE_STATS_ENABLED", "MLFLOW_DISABLE_TELEMETRY")

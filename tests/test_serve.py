@@ -30,7 +30,9 @@ import torch
 import yaml
 from support import REPO, cli_in_fresh_interpreter, free_port, render_page, subprocess_env
 
-from relay import checkpoint, config, registry
+from relay import config
+from relay.checkpoints import checkpoint
+from relay.records import registry
 from relay.tasks import Task, TaskSize, build_task
 
 pytestmark = pytest.mark.timeout(180)

@@ -12,8 +12,9 @@ import torch
 from support import BIN, REPO, subprocess_env
 
 import relay
-from relay import checkpoint, registry
+from relay.checkpoints import checkpoint
 from relay.config import from_dict
+from relay.records import registry
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -59,7 +60,7 @@ def _weights_of(directory: Path, tmp_path: Path):
     """A checkpoint's whole weights, from whichever format it was written in."""
     from safetensors.torch import load_file
 
-    from relay import consolidate
+    from relay.checkpoints import consolidate
 
     out = tmp_path / f"{directory.parent.name}-{directory.name}"
     return load_file(consolidate.export(directory, out) / checkpoint.WEIGHTS)

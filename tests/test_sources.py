@@ -1,4 +1,5 @@
-"""Data from files, the parts that run inside Ray Data's tasks (relay/sources.py), without a
+"""Data from files, the parts that run inside Ray Data's tasks (relay/training/sources.py), without
+a
 cluster: the hash split, the column mapping and the tasks' `preprocess`."""
 
 from __future__ import annotations
@@ -6,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from relay import sources
 from relay.config import ConfigError, from_dict
 from relay.tasks import build_task
+from relay.training import sources
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_run_admin import relay, write_run
 
-from relay import registry
+from relay.records import registry
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -29,10 +29,11 @@ def _engine_runs(_config: dict) -> dict | None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from relay import footprint, parallel
+    from relay import parallel
     from relay.config import OptimConfig, ParallelConfig
-    from relay.epochs import optimizer_spec
     from relay.tasks import build_task
+    from relay.training import footprint
+    from relay.training.epochs import optimizer_spec
 
     torch.set_num_threads(1)
     task = build_task("charlm", "debug", {"n_layer": 2, "dropout": 0.0})

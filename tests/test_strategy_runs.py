@@ -18,10 +18,12 @@ import requests
 from support import free_port, mlflow_client, pixels_of, render_page, tensorboard_scalars
 
 import relay
-from relay import checkpoint, history, registry, sweep
-from relay import report as report_page
+from relay.checkpoints import checkpoint
 from relay.config import SweepConfig, from_dict
+from relay.records import history, registry
+from relay.records import report as report_page
 from relay.tasks import build_task
+from relay.tuning import sweep
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
@@ -188,7 +190,7 @@ def test_efficiency_reports_match_independent_counts(strategy_sweep):
         assert f["matmul_peak"]["dtype"] == f["peak_dtype"] == "bfloat16"
         assert len(f["matmul_peak"]["per_worker_flops_per_s"]) == 2
 
-    # State bytes (live storages, relay.footprint) against the model's own parameter count.
+    # State bytes (live storages, relay.training.footprint) against the model's own parameter count.
     # AdamW keeps two fp32 moments per value and one fp32 `step` per parameter tensor; every
     # first dimension of this model is even, so fsdp's row split pads nothing.
     params = list(model.parameters())

@@ -13,9 +13,11 @@ import pytest
 import yaml
 from support import REPO, subprocess_env, sweep_driver
 
-from relay import checkpoint, history, promotion, registry, report, sweep
+from relay.checkpoints import checkpoint
 from relay.cli import main as relay_main
 from relay.config import ConfigError, SweepConfig, load_sweep, sweep_from_dict
+from relay.records import history, registry, report
+from relay.tuning import promotion, sweep
 
 pytestmark = pytest.mark.timeout(480)
 
@@ -277,7 +279,7 @@ def test_placement_groups_of_dead_actors_are_released(ray_cluster):
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from relay import cluster
+    from relay.runtime import cluster
 
     @ray.remote(num_cpus=0)
     class Creator:

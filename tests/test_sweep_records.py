@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from support import cli_in_fresh_interpreter
 
-from relay import history, registry
 from relay.cli import main
 from relay.config import SweepConfig
+from relay.records import history, registry
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,8 +11,9 @@ import math
 import pytest
 from support import mlflow_client, tensorboard_scalars
 
-from relay import config, tracking
-from relay.tracking import TensorBoardTracker, failures, mlflow_runs, scalar_tags
+from relay import config
+from relay.observe import tracking
+from relay.observe.tracking import TensorBoardTracker, failures, mlflow_runs, scalar_tags
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -130,7 +131,7 @@ def test_an_mlflow_run_gets_every_epoch_continues_on_resume_and_registers(tmp_pa
     assert run.data.tags["relay.resumed.scaling.num_workers"] == "1"
     registered = client.get_model_version_by_alias("unit", "best")
     assert registered.run_id == opened["run_id"]
-    assert registered.tags == {"relay.version": "1", "relay.checkpoint": str(tmp_path)}
+    assert registered.tags == {"relay.version": "1", "relay.checkpoints.checkpoint": str(tmp_path)}
     artifacts = {a.path for a in client.list_artifacts(opened["run_id"], "relay-checkpoint")}
     assert artifacts == {"relay-checkpoint/checkpoint.json", "relay-checkpoint/meta.json"}
     ended = {a.path for a in client.list_artifacts(opened["run_id"], "relay")}

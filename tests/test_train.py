@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 
 import relay
-from relay import checkpoint, cluster, registry
+from relay.checkpoints import checkpoint
 from relay.config import from_dict
+from relay.records import registry
+from relay.runtime import cluster
 from relay.tasks import BUILTIN, build_task
-from relay.trainer import WorkersNotPlaced
+from relay.training.trainer import WorkersNotPlaced
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from relay import worker_logs
+from relay.observe import worker_logs
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from relay.config import RunConfig
-    from relay.trainer import RunResult
+    from relay.training.trainer import RunResult
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig:
@@ -26,6 +26,6 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig
 def train(cfg: RunConfig | dict[str, Any], **kwargs: Any) -> RunResult:
     """Train on the current Ray cluster, or an embedded local one; see relay.train.fit."""
     from relay.config import RunConfig, from_dict
-    from relay.trainer import fit
+    from relay.training.trainer import fit
 
     return fit(cfg if isinstance(cfg, RunConfig) else from_dict(cfg), **kwargs)

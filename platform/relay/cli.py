@@ -209,11 +209,11 @@ def _fail(message: str, code: int) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, args.overrides)
-    from relay import registry
-    from relay.checkpoint import CorruptCheckpoint
-    from relay.run_admin import collected_reason
+    from relay.checkpoints.checkpoint import CorruptCheckpoint
+    from relay.records import registry
+    from relay.records.run_admin import collected_reason
     from relay.tasks import UntrustedTask
-    from relay.trainer import check_resumable, fit  # imports Ray: only with a good config
+    from relay.training.trainer import check_resumable, fit  # imports Ray: only with a good config
 
     run_id = None
     if args.resume:
@@ -265,7 +265,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if args.resume:
         if args.config or args.overrides:
             return _fail("--resume takes the sweep's saved config; give no CONFIG or --set", 2)
-        from relay import sweep
+        from relay.tuning import sweep
 
         storage = config_mod.resolve_storage(args.storage)
         try:
@@ -277,7 +277,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     else:
         cfg = config_mod.load_sweep(args.config, args.overrides)
         storage = cfg.train.storage_path()
-    from relay import sweep  # imports Ray: only once the config is known to be good
+    from relay.tuning import sweep  # imports Ray: only once the config is known to be good
 
     try:
         result = sweep.run(cfg, verbose=args.verbose, resume=args.resume, storage=storage)
@@ -327,7 +327,7 @@ def _detach_from_ray() -> None:
 
 def _write_report(storage: Path, ref: str) -> None:
     """The run's or sweep's report page, written at its end (a second or two); where it is."""
-    from relay import report
+    from relay.records import report
 
     try:
         print(f"report: {report.write(storage, ref)}")
@@ -345,7 +345,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:
         return _fail(f"--workers must be >= 1, got {args.workers}", EXIT_USAGE)
     cfg = config_mod.load(args.config, args.overrides)
-    from relay import plan  # imports Ray's train module: only once the config is known to be good
+    from relay.training import (
+        plan,  # imports Ray's train module: only once the config is known to be good
+    )
 
     if args.device_memory is None:
         memory, source = plan.default_device_memory()
@@ -382,7 +384,7 @@ def _damaged_checkpoint(record: dict[str, Any]) -> str | None:
     be loaded; None if all can."""
     from pathlib import Path
 
-    from relay import checkpoint
+    from relay.checkpoints import checkpoint
 
     for path in _checkpoints_of(record):
         try:
@@ -395,7 +397,7 @@ def _damaged_checkpoint(record: dict[str, Any]) -> str | None:
 def _checkpoints_of(record: dict[str, Any]) -> list[str]:
     """The run's checkpoints: best, last, and the one a resume would load; none once `relay
     runs gc` deleted them on purpose (the record says so)."""
-    from relay import checkpoint
+    from relay.checkpoints import checkpoint
 
     if record.get("collected"):
         return []
@@ -408,7 +410,7 @@ def _untrusted_checkpoint(record: dict[str, Any], allow: list[str]) -> str | Non
     """Why one of the run's checkpoints names a task relay may not import (relay.tasks.
     check_allowed): neither built in, nor the run's own (its record, in the trusted storage
     root), nor allowed with --allow-task. None if all are fine."""
-    from relay import checkpoint
+    from relay.checkpoints import checkpoint
     from relay.tasks import UntrustedTask
 
     own = [t for t in (record.get("task"), (record.get("config") or {}).get("task")) if t]
@@ -421,7 +423,7 @@ def _untrusted_checkpoint(record: dict[str, Any], allow: list[str]) -> str | Non
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
-    from relay import history, registry
+    from relay.records import history, registry
 
     storage = config_mod.resolve_storage(args.storage)
     wanted = {None: 0, "show": 1, "logs": 1, "compare": 2, "gc": 0}.get(args.action)
@@ -454,7 +456,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
             report = record.pop("efficiency", None)
             print(yaml.safe_dump(record, sort_keys=False, default_flow_style=None), end="")
             if report:
-                from relay.efficiency import format_report
+                from relay.training.efficiency import format_report
 
                 print(format_report(report))
         # The record is shown either way (it says what happened); a checkpoint the run relies
@@ -472,7 +474,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
 
 def _runs_rm(storage: Path, args: argparse.Namespace) -> int:
-    from relay import run_admin
+    from relay.records import run_admin
 
     if not args.run_ids:
         return _fail("runs rm: name the runs to delete", EXIT_USAGE)
@@ -487,7 +489,8 @@ def _runs_rm(storage: Path, args: argparse.Namespace) -> int:
 
 
 def _runs_gc(storage: Path, args: argparse.Namespace) -> int:
-    from relay import console, run_admin
+    from relay.observe import console
+    from relay.records import run_admin
 
     if args.keep_best is None:
         return _fail(
@@ -511,7 +514,8 @@ def _runs_gc(storage: Path, args: argparse.Namespace) -> int:
 
 
 def _runs_logs(storage: Path, args: argparse.Namespace) -> int:
-    from relay import registry, worker_logs
+    from relay.observe import worker_logs
+    from relay.records import registry
 
     try:
         record = registry.get_run(storage, args.run_ids[0])
@@ -535,7 +539,7 @@ def _runs_logs(storage: Path, args: argparse.Namespace) -> int:
 
 
 def _runs_compare(storage: Path, args: argparse.Namespace) -> int:
-    from relay import registry, run_admin
+    from relay.records import registry, run_admin
 
     try:
         first, second = (registry.get_run(storage, ref) for ref in args.run_ids)
@@ -552,7 +556,7 @@ def _runs_compare(storage: Path, args: argparse.Namespace) -> int:
 
 def _cmd_sweeps(args: argparse.Namespace) -> int:
     # Files only: listing a sweep never imports Ray, let alone starts it.
-    from relay import sweep_records
+    from relay.tuning import sweep_records
 
     storage = config_mod.resolve_storage(args.storage)
     if args.action == "show":
@@ -584,7 +588,7 @@ def _cmd_sweeps(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from relay import registry
+    from relay.records import registry
 
     storage = config_mod.resolve_storage(args.storage)
     verb, rest = (args.words[0], args.words[1:]) if args.words else (None, [])
@@ -636,7 +640,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 def _models_alias(storage: Path, words: list[str], args: argparse.Namespace) -> int:
     """`alias NAME:VERSION ALIAS` points a user alias at a version; `alias --rm NAME ALIAS`
     removes it."""
-    from relay import registry
+    from relay.records import registry
 
     usage = "models alias: NAME:VERSION ALIAS, or --rm NAME ALIAS"
     if len(words) != 2:
@@ -665,7 +669,7 @@ def _models_alias(storage: Path, words: list[str], args: argparse.Namespace) -> 
 def _mirror_alias(storage: Path, version: dict[str, Any], alias: str, remove: bool) -> str:
     if importlib.util.find_spec("mlflow") is None:
         return ""
-    from relay.tracking import mirror_alias  # imports Ray (the trackers are its callbacks)
+    from relay.observe.tracking import mirror_alias  # imports Ray (the trackers are its callbacks)
 
     return mirror_alias(storage, version, alias, remove=remove)
 
@@ -673,7 +677,8 @@ def _mirror_alias(storage: Path, version: dict[str, Any], alias: str, remove: bo
 def _models_show(storage: Path, ref: str, args: argparse.Namespace) -> int:
     """A model version (or a run's or a directory's checkpoint): its record, aliases, and the
     checkpoint's own account of itself (epoch, metrics)."""
-    from relay import checkpoint, registry
+    from relay.checkpoints import checkpoint
+    from relay.records import registry
 
     try:
         found = registry.resolve_model(storage, ref)
@@ -699,7 +704,8 @@ def _models_show(storage: Path, ref: str, args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from relay import checkpoint, consolidate, registry
+    from relay.checkpoints import checkpoint, consolidate
+    from relay.records import registry
     from relay.tasks import UntrustedTask
 
     storage = config_mod.resolve_storage(args.storage)
@@ -722,7 +728,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from relay import checkpoint, report, sweep_records
+    from relay.checkpoints import checkpoint
+    from relay.records import report
+    from relay.tuning import sweep_records
 
     storage = config_mod.resolve_storage(args.storage)
     try:
@@ -738,7 +746,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from relay import doctor, registry
+    from relay.observe import doctor
+    from relay.records import registry
 
     storage = config_mod.resolve_storage(args.storage)
     try:

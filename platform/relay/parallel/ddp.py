@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from relay import checkpoint
+from relay.checkpoints import checkpoint
 from relay.config import ParallelConfig
 from relay.parallel.ranks import distributed, is_main
 from relay.parallel.strategy import Strategy

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from relay import checkpoint
+from relay.checkpoints import checkpoint
 from relay.config import ParallelConfig
 from relay.parallel.blocks import apply_activation_checkpointing, compile_model
 from relay.parallel.ddp import DDP, unwrap

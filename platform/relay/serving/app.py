@@ -76,8 +76,8 @@ from ray.serve.deployment import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import relay
-from relay import cluster
 from relay.config import NAME_PATTERN
+from relay.runtime import cluster
 from relay.serving import json_limits, metrics, model_table, staging
 from relay.serving import open_inference as v2
 from relay.serving.batching import AdaptiveBatcher

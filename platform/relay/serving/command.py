@@ -222,7 +222,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from ray import serve
 
-    from relay import cluster
+    from relay.runtime import cluster
     from relay.serving.app import build
     from relay.tasks import resolve_task_class
 
@@ -330,7 +330,7 @@ def _swap_in(new: list, served_args, found: endpoint.Endpoint, verbose: bool) ->
     import ray
     from ray import serve
 
-    from relay import cluster
+    from relay.runtime import cluster
     from relay.serving import staging
     from relay.serving.app import build, shown
     from relay.serving.model_table import user_config

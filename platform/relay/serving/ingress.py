@@ -104,7 +104,7 @@ class ServeSetup:
 
     def apply(self) -> dict[str, str]:
         """Set each variable the environment lacks; returns the ones set here."""
-        from relay import cluster
+        from relay.runtime import cluster
 
         return cluster.set_missing(self.env)
 
@@ -150,7 +150,7 @@ def running_ingress() -> str:
     """Which ingress the connected cluster's Serve runs (after `serve.start`): an alive
     HAProxyManager actor means HAProxy. Asked of the cluster, not of this process's
     environment: a cluster started elsewhere has flags of its own."""
-    from relay import cluster
+    from relay.runtime import cluster
 
     return HAPROXY if cluster.alive_actors("HAProxyManager") else PROXY
 

@@ -42,7 +42,9 @@ def resolve(
     (its meta.json names a task that is neither built in, nor the one the storage root records
     for it, nor in `allow_task`: nothing is imported). The task it returns is the one checked
     here, and the only one a replica imports for this model (see `load`)."""
-    from relay import checkpoint, config, registry
+    from relay import config
+    from relay.checkpoints import checkpoint
+    from relay.records import registry
     from relay.tasks import resolve_task_class
 
     root = config.resolve_storage(storage)
@@ -92,7 +94,7 @@ def load(info: ModelInfo) -> LoadedModel:
     """The model `info` names, in a replica. `info.task` is the task the driver checked
     (`resolve`) and passed here in the application's own arguments (the user_config): the
     replica imports that task only, whatever the checkpoint's meta.json says by now."""
-    from relay.checkpoint import load_model
+    from relay.checkpoints.checkpoint import load_model
 
     task, model = load_model(info.checkpoint, allow_task=[info.task])
     return LoadedModel(info, task, model)

@@ -45,8 +45,11 @@ import ray
 import ray.train
 from ray import tune
 
-from relay import checkpoint, cluster, history, registry, trainer
+from relay.checkpoints import checkpoint
 from relay.config import SweepConfig, trial_config
+from relay.records import history, registry
+from relay.runtime import cluster
+from relay.training import trainer
 
 # PBT's clock, reported only on the epochs PBT may act after (`acting_epochs`): never a trial's last
 # (a copy made there would have nothing left to train), and never between intervals — Tune's

@@ -16,23 +16,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from relay import (
-    checkpoint,
-    cluster,
-    console,
-    consolidate,
-    doctor,
-    efficiency,
-    history,
-    registry,
-    run_admin,
-    tracking,
-    worker_memory,
-)
+from relay.checkpoints import checkpoint, consolidate
 from relay.config import ConfigError, RunConfig
+from relay.observe import console, doctor, tracking
+from relay.records import history, registry, run_admin
+from relay.runtime import cluster, worker_memory
+from relay.training import efficiency
 
 if TYPE_CHECKING:
-    from relay.ingest import RunData, SharedData
+    from relay.training.ingest import RunData, SharedData
 
 
 @dataclass
@@ -49,7 +41,7 @@ class RunResult:
     # From this fit() call's start to the start of the first epoch it trained (cluster, workers,
     # data); None when it trained none (e.g. resumed after its last epoch).
     startup_s: float | None = None
-    efficiency: dict[str, Any] | None = None  # see relay.efficiency
+    efficiency: dict[str, Any] | None = None  # see relay.training.efficiency
     # Under scaling.memory_per_worker: {"mechanism": "cgroup" | "rlimit", "bytes": the limit}.
     memory: dict[str, Any] | None = None
 
@@ -70,7 +62,7 @@ def build_trainer(
 ):
     import ray.train
 
-    from relay.loop import train_loop_per_worker
+    from relay.training.loop import train_loop_per_worker
 
     runs_root = registry.runs_root(cfg.storage_path())
     scaling = ray.train.ScalingConfig(
@@ -98,7 +90,7 @@ def build_trainer(
         "run_dir": str(runs_root / run_id),
         "cpus_per_worker": cfg.scaling.cpus_per_worker,
         "train_rows": data.train_rows,
-        "data": data.loop_data(),  # what each worker opens its batches from (relay.ingest)
+        "data": data.loop_data(),  # what each worker opens its batches from (relay.training.ingest)
         # Where a run without checkpoints of its own starts (a PBT exploit: another trial's).
         "init_checkpoint": init_checkpoint,
     }
@@ -175,7 +167,7 @@ def fit(
     The checkpoint a run resumes or starts from must name `cfg`'s task in its meta.json, or
     one in `allow_task` (relay.tasks.UntrustedTask, before any cluster work).
     """
-    from relay import ingest
+    from relay.training import ingest
 
     times = {"started": time.time()}
     started = times["started"]

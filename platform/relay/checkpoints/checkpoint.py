@@ -153,7 +153,7 @@ def optimizer_state_by_index(named: dict[str, Any], names: list[str]) -> dict[st
 def load_weights(directory: str | Path, module: nn.Module) -> nn.Module:
     """Load weights into `module` in place; only tied aliases may be absent from the file. A
     sharded checkpoint's whole weights are made first if they are not yet."""
-    from relay.consolidate import consolidate
+    from relay.checkpoints.consolidate import consolidate
 
     state = load_file(consolidate(directory))
     missing, unexpected = module.load_state_dict(state, strict=False)
@@ -291,7 +291,7 @@ def recorded_task(storage: Path, found: Any) -> list[str]:
     its model version's, or its run's. The storage root is trusted and its records copy the
     user's own run config, so that task needs no --allow-task. None for a checkpoint
     directory given by path: only its own meta.json speaks for it."""
-    from relay import registry
+    from relay.records import registry
 
     if found.version:
         return [found.version["task"]] if found.version.get("task") else []

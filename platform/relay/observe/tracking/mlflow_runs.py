@@ -32,8 +32,8 @@ from typing import Any, TypeVar
 import ray.train
 
 from relay.config import flatten, redacted_uri
-from relay.tracking import failures
-from relay.tracking.metrics import numeric_metrics
+from relay.observe.tracking import failures
+from relay.observe.tracking.metrics import numeric_metrics
 
 # An unreachable server must cost a run seconds, not MLflow's default of 7 retries with
 # backoff (minutes per call): at most 3 tries, 10 s each. A user's own setting wins.
@@ -259,7 +259,7 @@ def register_version(
             run_id=run_id,
             tags={
                 "relay.version": str(version["version"]),
-                "relay.checkpoint": pointer["checkpoint"],
+                "relay.checkpoints.checkpoint": pointer["checkpoint"],
             },
             description=f"relay model {name}:{version['version']}",
             await_creation_for=0,  # ready at once (nothing to copy): no wait, no log line

@@ -8,7 +8,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
-from relay import background, history
+from relay.records import history
+from relay.runtime import background
 
 _SKIP = {"epoch", "samples_per_s", "input_wait_share", "epoch_s", "lr", "time"}
 

@@ -20,7 +20,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from relay import console, history, registry
+from relay.observe import console
+from relay.records import history, registry
 
 SPEC, RESULT = "sweep.json", "result.json"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from relay.checkpoint import SHARDS, TRAIN_STATE, WEIGHTS
+from relay.checkpoints.checkpoint import SHARDS, TRAIN_STATE, WEIGHTS
 
 # safetensors' dtype codes (its format spec).
 SAFETENSORS_DTYPES = {

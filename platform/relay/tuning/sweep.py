@@ -33,19 +33,12 @@ from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search import ConcurrencyLimiter, SearchAlgorithm, Searcher
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from relay import (
-    cluster,
-    console,
-    doctor,
-    ingest,
-    pbt,
-    promotion,
-    registry,
-    sweep_records,
-    tracking,
-    trainer,
-)
 from relay.config import SearchDimension, SweepConfig, sweep_from_dict, trial_config
+from relay.observe import console, doctor, tracking
+from relay.records import registry
+from relay.runtime import cluster
+from relay.training import ingest, trainer
+from relay.tuning import pbt, promotion, sweep_records
 
 SPEC = "sweep.json"
 

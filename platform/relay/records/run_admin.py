@@ -23,8 +23,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from relay import registry
 from relay.config import flatten
+from relay.records import registry
 
 
 class Refused(ValueError):
@@ -108,7 +108,7 @@ ENDED = ("finished", "failed", "stopped")
 
 
 def _checkpoint_dirs(run_dir: Path) -> list[Path]:
-    from relay.checkpoint import META
+    from relay.checkpoints.checkpoint import META
 
     return sorted(
         p

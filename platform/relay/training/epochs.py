@@ -21,7 +21,7 @@ import torch
 
 from relay import parallel
 from relay.config import OptimConfig, RunConfig, ScheduleConfig
-from relay.doctor.heartbeat import Heartbeat, NoHeartbeat
+from relay.observe.doctor.heartbeat import Heartbeat, NoHeartbeat
 from relay.tasks import Task
 from relay.tasks.base import Batch
 

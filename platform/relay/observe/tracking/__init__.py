@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from relay.config import redacted_uri
-from relay.sweep_records import sweeps_root
-from relay.tracking import failures, mlflow_runs, tensorboard
-from relay.tracking.metrics import numeric_metrics
-from relay.tracking.tensorboard import TensorBoardTracker, scalar_tags
+from relay.observe.tracking import failures, mlflow_runs, tensorboard
+from relay.observe.tracking.metrics import numeric_metrics
+from relay.observe.tracking.tensorboard import TensorBoardTracker, scalar_tags
+from relay.tuning.sweep_records import sweeps_root
 
 __all__ = [
     "RunTracking",
@@ -80,7 +80,7 @@ class RunTracking:
     ) -> None:
         """The run ended with `status` (FINISHED, FAILED or KILLED): its efficiency report and
         its best `checkpoint`'s meta.json go with it."""
-        from relay.checkpoint import META
+        from relay.checkpoints.checkpoint import META
 
         meta = Path(checkpoint) / META if checkpoint else None
         if self.mlflow:
@@ -156,7 +156,7 @@ def register_version(cfg, run_record: dict[str, Any], version: dict[str, Any], b
     mlflow = (run_record.get("tracking") or {}).get("mlflow")
     if cfg.tracking.mlflow is None or not mlflow:
         return None
-    from relay.checkpoint import META
+    from relay.checkpoints.checkpoint import META
 
     checkpoint = Path(version["checkpoint"])
     return mlflow_runs.register_version(
@@ -172,7 +172,7 @@ def register_version(cfg, run_record: dict[str, Any], version: dict[str, Any], b
 def mirror_alias(storage: Path, version: dict[str, Any], alias: str, *, remove: bool) -> str:
     """Mirror a user alias of relay's model `version` in MLflow's registry, when the run that
     made it was tracked there; a line saying what happened ("" when MLflow was not used)."""
-    from relay import registry
+    from relay.records import registry
 
     try:
         record = registry.get_run(storage, version["run_id"])

@@ -1,5 +1,5 @@
-"""The Ray Data ingest (relay/ingest.py chooses it, for data from files and `data.cache:
-false`): the driver turns a task's split into Ray Datasets (files: relay/sources.py); each
+"""The Ray Data ingest (relay/training/ingest.py chooses it, for data from files and `data.cache:
+false`): the driver turns a task's split into Ray Datasets (files: relay/training/sources.py); each
 worker reads its shard with `ray.train.get_dataset_shard` and iterates it in batches. Each
 dataset costs the run a SplitCoordinator actor and a streaming executor, which streaming (and
 data from files) needs; data that fits in memory goes through the object store instead.
@@ -21,8 +21,8 @@ import ray.train
 import torch
 from ray.data.extensions import ArrowTensorArray
 
-from relay.epochs import CachedBatches, to_tensors
 from relay.tasks.base import Batch, Columns, Split
+from relay.training.epochs import CachedBatches, to_tensors
 
 BLOCKS = 8  # enough blocks for the split to spread, few enough to stay cheap
 SHUFFLE_BUFFER_BATCHES = 4  # streaming: a worker's local shuffle buffer, in batches (default)

@@ -436,14 +436,14 @@ def resolve_model(storage: Path, ref: str) -> ResolvedModel:
     (= best), a run id, or a checkpoint dir;
     its checkpoint's files checked whole (`checkpoint.CorruptCheckpoint` names a bad one)."""
     found = _resolve_model(storage, ref)
-    from relay import checkpoint
+    from relay.checkpoints import checkpoint
 
     checkpoint.validate(found.checkpoint)
     return found
 
 
 def _resolve_model(storage: Path, ref: str) -> ResolvedModel:
-    from relay.checkpoint import META
+    from relay.checkpoints.checkpoint import META
 
     as_path = Path(ref).expanduser()
     if (as_path / META).exists():

@@ -12,8 +12,8 @@ from typing import Any
 
 import ray.train
 
-from relay.tracking import failures
-from relay.tracking.metrics import numeric_metrics
+from relay.observe.tracking import failures
+from relay.observe.tracking.metrics import numeric_metrics
 
 TENSORBOARD_DIR = "tensorboard"
 TRACKER = "tensorboard"  # its failure mark in a run's directory: see failures.py

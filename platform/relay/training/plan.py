@@ -64,10 +64,10 @@ import torch
 from torch import nn
 
 from relay.config import ConfigError, RunConfig
-from relay.console import human_bytes
-from relay.epochs import build_optimizer
+from relay.observe.console import human_bytes
 from relay.parallel import PRECISION_DTYPES, apply_activation_checkpointing, units
 from relay.tasks import Task, build_task
+from relay.training.epochs import build_optimizer
 
 STRATEGIES = ("ddp", "zero1", "fsdp")
 PROBE_BATCHES = (2, 4)  # two small batches fit the line; batch 1 can take special code paths
@@ -354,7 +354,7 @@ def plan(
     task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
     try:
         if cfg.data.from_files:
-            from relay.sources import head
+            from relay.training.sources import head
 
             columns = head(cfg, task)  # a few rows, read here: plan needs no cluster
         else:

@@ -19,9 +19,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from relay import background
 from relay.config import DoctorConfig
-from relay.doctor import diagnosis, heartbeat, stacks
+from relay.observe.doctor import diagnosis, heartbeat, stacks
+from relay.runtime import background
 
 DOCTOR = "doctor"
 # Until the run has timed its steps (its first training pass), the threshold is generous:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import ray
 
-from relay import background
+from relay.runtime import background
 
 T = TypeVar("T")
 
@@ -379,7 +379,7 @@ def torch_trainer(*, out_of_memory_ends: tuple[str, int] | None = None, **kwargs
     - A run with no Ray Datasets starts no DatasetManager. Ray's DatasetsCallback creates that
       actor, one more Python process importing Ray Data (~1.3 s of CPU), for every worker group
       even when `datasets` is empty, beside the workers' own start-up on the same cores. relay's
-      in-memory ingest hands the workers object references instead (relay/ingest.py); a run
+      in-memory ingest hands the workers object references instead (relay/training/ingest.py); a run
       with Ray Data ingest keeps the callback as Ray has it.
     - With `out_of_memory_ends` (run id, ranks) a worker group that ran out of memory under
       `scaling.memory_per_worker` ends the run at once instead of restarting up to
@@ -492,7 +492,7 @@ def _out_of_memory_ends_the_run() -> type:
             self.run_id, self.ranks = run_id, ranks
 
         def make_decision(self, training_failed_error: Any) -> Any:
-            from relay import worker_memory
+            from relay.runtime import worker_memory
 
             if isinstance(training_failed_error, WorkerGroupError) and (
                 worker_memory.ranks_out_of_memory(self.run_id, self.ranks, training_failed_error)

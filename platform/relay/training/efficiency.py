@@ -18,16 +18,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from relay.console import human_bytes
+from relay.observe.console import human_bytes
 
 if TYPE_CHECKING:  # the driver imports this module; torch loads only on the workers
     import torch
 
     from relay import parallel
     from relay.config import RunConfig
-    from relay.epochs import Epochs
     from relay.tasks import Task
     from relay.tasks.base import Batch
+    from relay.training.epochs import Epochs
 
 # --- on the workers (every rank calls `measure`: it is a collective) ---------------------------
 
@@ -98,7 +98,8 @@ def measure(
     `memory_at_start`: what the rank held before it built anything (`current_memory()`);
     `startup_peak`: the most it held while building the model and loading its state."""
 
-    from relay import footprint, parallel
+    from relay import parallel
+    from relay.training import footprint
 
     # Gradients of the last step are still allocated: this is the state a step holds.
     state = footprint.state_bytes(engine.model, engine.optimizer)
@@ -148,7 +149,8 @@ def activation_bytes(engine: parallel.Engine, loss_fn) -> int:
     heap unseen; at 1 MiB an MLP's 512 KiB activations went half unseen). Under fsdp it also
     holds whatever the forward leaves gathered (the root's own parameters). Called last: glibc
     keeps that setting for the rest of the process."""
-    from relay import parallel, worker_memory
+    from relay import parallel
+    from relay.runtime import worker_memory
 
     if parallel.device().type == "cpu":
         worker_memory.return_freed_memory(threshold_bytes=64 << 10)
@@ -296,9 +298,9 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
             "kind": memory_kind,
             # State bytes: each storage that parameters, gradients (after the last training
             # step) and optimizer state use, counted once — padding and buckets included.
-            "state_method": "live tensors' storages, each counted once (relay.footprint)",
+            "state_method": "live tensors' storages, each counted once (relay.training.footprint)",
             "activation_method": "memory one forward and loss of the probe batch add until "
-            "their backward (relay.efficiency.activation_bytes)",
+            "their backward (relay.training.efficiency.activation_bytes)",
             "per_rank": [
                 {
                     key: r[key]
@@ -375,7 +377,7 @@ def _comparable(config: dict[str, Any]) -> dict[str, Any]:
 
 def find_reference(storage: Path, cfg: RunConfig, run_id: str) -> dict[str, Any] | None:
     """The newest finished 1-worker run of the same config, with an efficiency report."""
-    from relay import registry
+    from relay.records import registry
 
     wanted = _comparable(cfg.model_dump(mode="json"))
     for record in registry.list_runs(storage):

@@ -2,7 +2,8 @@
 for every Tune trial, and in the tests.
 
 Only Ray's part of a worker lives here: the checkpoint to resume from, this rank's data (opened
-through the run's ingest, relay/ingest.py), reporting each epoch and writing checkpoints. The
+through the run's ingest, relay/training/ingest.py), reporting each epoch and writing checkpoints.
+The
 epoch itself (optimizer, schedule, passes, statistics) is epochs.py, which the plain-torchrun
 baseline runs too; distributed concerns (ranks, wrapping, reductions) live in relay/parallel/; the
 problem-specific parts (model, data, loss, metrics) in the task.
@@ -25,20 +26,21 @@ import torch
 from ray.train import CheckpointUploadMode
 from torch import nn
 
-from relay import (
-    checkpoint,
-    doctor,
-    efficiency,
-    history,
-    ingest,
-    models,
-    parallel,
-    worker_logs,
-    worker_memory,
-)
+from relay import models, parallel
+from relay.checkpoints import checkpoint
 from relay.config import RunConfig
-from relay.epochs import Epochs, build_scheduler, fast_forward, optimizer_spec, steps_per_epoch
+from relay.observe import doctor, worker_logs
+from relay.records import history
+from relay.runtime import worker_memory
 from relay.tasks import build_task
+from relay.training import efficiency, ingest
+from relay.training.epochs import (
+    Epochs,
+    build_scheduler,
+    fast_forward,
+    optimizer_spec,
+    steps_per_epoch,
+)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 For trying relay on many machines without them (the tests and bench/scaling.py use it too);
 as root:
 
-    .venv/bin/python -m relay.netns_cluster --hosts 2      # or: make cluster-demo
+    .venv/bin/python harness/netns_cluster.py --hosts 2      # or: make cluster-demo
 
 builds the cluster, prints its addresses and a `ray job submit` line to paste into another
 shell, and removes everything on Ctrl-C or SIGTERM. From Python:
@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import IO
 from urllib.parse import urlencode
 
-from relay.processes import stop_session
+from relay.runtime.processes import stop_session
 
 BIN = Path(sys.executable).parent  # the venv's ray, relay and python
 
@@ -493,7 +493,7 @@ def _parse_filter(text: str) -> tuple[str, str, str]:
     return key.strip(), op, value.strip()
 
 
-# --- the recipe: python -m relay.netns_cluster ---------------------------------------------------
+# --- the recipe: python harness/netns_cluster.py --------------------------------------------------
 
 
 def client_auth_env(cluster: NetnsCluster) -> str:

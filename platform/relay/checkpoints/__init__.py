@@ -1,0 +1,2 @@
+"""Checkpoints: the directory format (whole or sharded) and whole weights from
+shards."""

@@ -1,0 +1,2 @@
+"""Records on the storage root: runs and model versions (the registry), metric
+history, run administration, report pages."""

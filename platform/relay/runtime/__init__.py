@@ -1,0 +1,2 @@
+"""The Ray runtime relay stands on: getting onto a cluster, background chores,
+processes it starts, per-worker memory limits."""

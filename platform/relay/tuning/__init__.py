@@ -1,0 +1,2 @@
+"""Tuning: sweeps over the same train loop (Ray Tune), search algorithms, ASHA
+promotion, PBT, and the sweep records."""
