@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from relay.version import __version__
+
+__all__ = ["__version__", "load_config", "train"]
 
 if TYPE_CHECKING:
     from relay.config import RunConfig

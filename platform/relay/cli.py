@@ -556,7 +556,7 @@ def _runs_compare(storage: Path, args: argparse.Namespace) -> int:
 
 def _cmd_sweeps(args: argparse.Namespace) -> int:
     # Files only: listing a sweep never imports Ray, let alone starts it.
-    from relay.tuning import sweep_records
+    from relay.records import sweep_records
 
     storage = config_mod.resolve_storage(args.storage)
     if args.action == "show":
@@ -712,7 +712,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     try:
         found = registry.resolve_model(storage, args.ref)
         # What it exports says which task to load it with: one relay may import.
-        allowed = [*args.allow_task, *checkpoint.recorded_task(storage, found)]
+        allowed = [*args.allow_task, *registry.recorded_task(storage, found)]
         checkpoint.checked_task(found.checkpoint, allowed)
         path = consolidate.export(found.checkpoint, args.out)
     except KeyError as exc:
@@ -729,8 +729,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from relay.checkpoints import checkpoint
-    from relay.records import report
-    from relay.tuning import sweep_records
+    from relay.records import report, sweep_records
 
     storage = config_mod.resolve_storage(args.storage)
     try:

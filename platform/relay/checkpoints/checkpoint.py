@@ -7,7 +7,7 @@ train_state.pt      optimizer state keyed by parameter name, scheduler and loss-
 
 Sharded (every rank writes its own part in parallel; fsdp by default):
 shards/             weights and optimizer state as torch.distributed.checkpoint writes them:
-                    one file per rank and an index, read safely (parallel/sharded.py)
+                    one file per rank and an index, read safely (checkpoints/sharded.py)
 train_state.pt      scheduler and loss-scaler state
 model.safetensors   absent until made from the shards, tensor by tensor (consolidate.py), for
                     serving and export; made for every registered version
@@ -37,10 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-WEIGHTS = "model.safetensors"
-TRAIN_STATE = "train_state.pt"
-META = "meta.json"
-SHARDS = "shards"
+from relay.checkpoints.layout import META, SHARDS, TRAIN_STATE, WEIGHTS  # used here and by callers
 
 
 def is_sharded(directory: str | Path) -> bool:
@@ -61,7 +58,7 @@ def files(directory: str | Path) -> list[Path]:
 def versions() -> dict[str, str]:
     import ray
 
-    from relay import __version__
+    from relay.version import __version__
 
     return {"relay": __version__, "ray": ray.__version__, "torch": torch.__version__}
 
@@ -224,7 +221,7 @@ def validate(directory: str | Path) -> Path:
 def _validate_shards(shards: Path) -> None:
     """The index reads (safely, pointing only inside `shards`), and every file it points into
     is there and long enough."""
-    from relay.parallel.sharded import UnsafeCheckpoint, check_files, read_index
+    from relay.checkpoints.sharded import UnsafeCheckpoint, check_files, read_index
 
     try:
         index = read_index(shards)
@@ -284,24 +281,6 @@ def _allowed_task(meta: dict[str, Any], directory: str | Path, allow: Iterable[s
     config = meta.get("config")
     name = config.get("task") if isinstance(config, dict) else None
     return check_allowed(name, str(Path(directory) / META), allow)
-
-
-def recorded_task(storage: Path, found: Any) -> list[str]:
-    """The task the storage root records for a resolved reference (`registry.ResolvedModel`):
-    its model version's, or its run's. The storage root is trusted and its records copy the
-    user's own run config, so that task needs no --allow-task. None for a checkpoint
-    directory given by path: only its own meta.json speaks for it."""
-    from relay.records import registry
-
-    if found.version:
-        return [found.version["task"]] if found.version.get("task") else []
-    if Path(found.reference).is_absolute():  # a directory (run ids are never paths)
-        return []
-    try:
-        task = registry.get_run(storage, found.reference).get("task")
-    except KeyError:
-        return []
-    return [task] if isinstance(task, str) else []
 
 
 def load_model(directory: str | Path, *, allow_task: Iterable[str] = ()):

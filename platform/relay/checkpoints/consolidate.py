@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from relay.checkpoints.checkpoint import SHARDS, TRAIN_STATE, WEIGHTS
+from relay.checkpoints.layout import SHARDS, TRAIN_STATE, WEIGHTS
 
 # safetensors' dtype codes (its format spec).
 SAFETENSORS_DTYPES = {
@@ -85,7 +85,7 @@ def write_weights(shards: Path, target: Path) -> list[str]:
     """Write the weights held in `shards` to `target` as safetensors; returns their names."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from relay.parallel import sharded
+    from relay.checkpoints import sharded
 
     # Each tensor's size is checked against the bytes the index gives it, and those against
     # the files: nothing below allocates more than the checkpoint holds.

@@ -29,13 +29,6 @@ def _number(value: Any) -> str:
     return str(value)
 
 
-def short_params(params: dict[str, Any]) -> str:
-    """A trial's sampled values on one line: 'optim.lr=0.003 batch_size=32'."""
-    return " ".join(
-        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()
-    )
-
-
 def epoch_line(metrics: dict[str, Any], epochs: int) -> str:
     width = len(str(epochs))
     parts = [f"epoch {metrics['epoch']:>{width}}/{epochs}"]

@@ -158,7 +158,7 @@ class Engine:
         """Every rank writes its own shards of weights and optimizer state under `path`
         (torch.distributed.checkpoint: one file per rank, plus `.metadata` from rank 0), in
         parallel and without gathering anything whole. A collective."""
-        from relay.parallel import sharded  # DCP: imported when a run checkpoints this way
+        from relay.checkpoints import sharded  # DCP: imported when a run checkpoints this way
 
         sharded.save(self.strategy.sharded_state(self.model, self.optimizer, self._tied), path)
 

@@ -88,7 +88,7 @@ class Strategy:
         and strategy. A collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        from relay.parallel import sharded
+        from relay.checkpoints import sharded
 
         state = self.sharded_state(model, optimizer, tied)
         sharded.load(state, path)  # every key of `state` must be in the checkpoint

@@ -57,7 +57,7 @@ class Zero1(DDP):
         """A sharded checkpoint (written under ddp or fsdp) read whole through a plain
         optimizer standing in for ZeroRedundancyOptimizer, whose own state DCP cannot read;
         each rank then keeps its 1/N of the optimizer state as after any full load."""
-        from relay.parallel import sharded
+        from relay.checkpoints import sharded
 
         plain = unwrap(model)
         stand_in = self._plain_optimizer(list(plain.parameters()))

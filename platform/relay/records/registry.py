@@ -488,3 +488,19 @@ def _resolve_model(storage: Path, ref: str) -> ResolvedModel:
         raise KeyError(f"run {run['run_id']} has no checkpoint (status {run.get('status')})")
     found = checkpoint_in_storage(storage, run["checkpoint"], f"run {run['run_id']}")
     return ResolvedModel(found, run["run_id"])
+
+
+def recorded_task(storage: Path, found: Any) -> list[str]:
+    """The task the storage root records for a resolved reference (`ResolvedModel`):
+    its model version's, or its run's. The storage root is trusted and its records copy the
+    user's own run config, so that task needs no --allow-task. None for a checkpoint
+    directory given by path: only its own meta.json speaks for it."""
+    if found.version:
+        return [found.version["task"]] if found.version.get("task") else []
+    if Path(found.reference).is_absolute():  # a directory (run ids are never paths)
+        return []
+    try:
+        task = get_run(storage, found.reference).get("task")
+    except KeyError:
+        return []
+    return [task] if isinstance(task, str) else []

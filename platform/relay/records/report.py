@@ -24,8 +24,7 @@ from typing import Any
 import yaml
 
 from relay.config import redacted_uri
-from relay.records import history, registry
-from relay.tuning import sweep_records
+from relay.records import history, registry, sweep_records
 
 REPORT = "report.html"
 BEST, OTHER = "#d62728", "#1f77b4"

@@ -75,7 +75,6 @@ from ray import serve
 from ray.serve.deployment import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import relay
 from relay.config import NAME_PATTERN
 from relay.runtime import cluster
 from relay.serving import json_limits, metrics, model_table, staging
@@ -83,6 +82,7 @@ from relay.serving import open_inference as v2
 from relay.serving.batching import AdaptiveBatcher
 from relay.serving.model_table import LoadedModel, ModelInfo
 from relay.serving.web import BodyLimit, ErrorBody, error, error_detail
+from relay.version import __version__
 
 logger = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -534,7 +534,7 @@ def build_http_app(server: ModelServer) -> FastAPI:
     # (/static-offline-docs); ReDoc, CDN-only in FastAPI too, is left out.
     api = FastAPIOffline(
         title="relay",
-        version=relay.__version__,
+        version=__version__,
         description="Models served by relay: KServe v1 and v2 (Open Inference) protocols.",
         redoc_url=None,
     )
@@ -589,7 +589,7 @@ def build_http_app(server: ModelServer) -> FastAPI:
 
     @api.get("/v2")
     async def v2_server() -> dict[str, Any]:
-        return {"name": "relay", "version": relay.__version__, "extensions": []}
+        return {"name": "relay", "version": __version__, "extensions": []}
 
     @api.get("/v2/health/live")
     async def v2_live() -> dict[str, bool]:
@@ -709,7 +709,7 @@ def replica_version(args: ReplicaArgs) -> str:
     """A digest of what the replicas are built from (their arguments and relay's version).
     Serve restarts replicas when it changes; when only the models change, it does not (see
     relay/serving/model_table.py)."""
-    built_from = {"relay": relay.__version__, **args.model_dump()}
+    built_from = {"relay": __version__, **args.model_dump()}
     return hashlib.sha256(json.dumps(built_from, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -49,7 +49,7 @@ def resolve(
 
     root = config.resolve_storage(storage)
     found = registry.resolve_model(root, reference)
-    allowed = [*allow_task, *checkpoint.recorded_task(root, found)]
+    allowed = [*allow_task, *registry.recorded_task(root, found)]
     task_name = checkpoint.checked_task(found.checkpoint, allowed)
     if not resolve_task_class(task_name).servable():
         raise TypeError(

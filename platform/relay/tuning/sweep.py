@@ -34,11 +34,11 @@ from ray.tune.search import ConcurrencyLimiter, SearchAlgorithm, Searcher
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from relay.config import SearchDimension, SweepConfig, sweep_from_dict, trial_config
-from relay.observe import console, doctor, tracking
-from relay.records import registry
+from relay.observe import doctor, tracking
+from relay.records import registry, sweep_records
 from relay.runtime import cluster
 from relay.training import ingest, trainer
-from relay.tuning import pbt, promotion, sweep_records
+from relay.tuning import pbt, promotion
 
 SPEC = "sweep.json"
 
@@ -191,7 +191,9 @@ class Progress(tune.Callback):
         value = result.get(self.cfg.metric)
         score = f"{self.cfg.metric} {value:.4f}" if isinstance(value, float) else ""
         epoch = f"epoch {result.get('epoch', '?')}/{self.cfg.asha.max_t}"
-        self._line(trial, f"{epoch:<11} {score:<24} {console.short_params(trial.config['params'])}")
+        self._line(
+            trial, f"{epoch:<11} {score:<24} {sweep_records.short_params(trial.config['params'])}"
+        )
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         epochs = (trial.last_result or {}).get("epoch", 0)
@@ -462,13 +464,13 @@ def _print_summary(cfg: SweepConfig, result: SweepResult, out: TextIO) -> None:
         score = f"{score:.4f}" if isinstance(score, float) else "-"
         out.write(
             f"{t['trial_id']:<12} {t['status']:<10} {t['epochs_run']:>6} {score:>14}  "
-            f"{t['chosen_by']:<10} {console.short_params(t['config'])}\n"
+            f"{t['chosen_by']:<10} {sweep_records.short_params(t['config'])}\n"
         )
     if result.best:
         b = result.best
         out.write(
             f"best: {b['trial_id']} {cfg.metric}={b['best_score']:.4f} "
-            f"({console.short_params(b['config'])})\n"
+            f"({sweep_records.short_params(b['config'])})\n"
             f"checkpoint: {b['checkpoint']}\nmodel: {result.model}\n"
         )
     else:

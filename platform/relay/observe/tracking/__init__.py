@@ -24,7 +24,7 @@ from relay.config import redacted_uri
 from relay.observe.tracking import failures, mlflow_runs, tensorboard
 from relay.observe.tracking.metrics import numeric_metrics
 from relay.observe.tracking.tensorboard import TensorBoardTracker, scalar_tags
-from relay.tuning.sweep_records import sweeps_root
+from relay.records.sweep_records import sweeps_root
 
 __all__ = [
     "RunTracking",

@@ -117,9 +117,9 @@ def version_tags() -> dict[str, str]:
     import ray
     import torch
 
-    import relay
+    from relay.version import __version__
 
-    tags = {"relay.version": relay.__version__, "ray.version": ray.__version__}
+    tags = {"relay.version": __version__, "ray.version": ray.__version__}
     tags["torch.version"] = torch.__version__
     try:
         commit = subprocess.run(

@@ -20,7 +20,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from relay.observe import console
 from relay.records import history, registry
 
 SPEC, RESULT = "sweep.json", "result.json"
@@ -380,14 +379,14 @@ def render_sweep(view: dict[str, Any]) -> str:
         )
         if chosen_width:
             row += f"  {chosen_by:<{chosen_width}}"
-        lines.append(f"{row}  {console.short_params(t['config'])}")
+        lines.append(f"{row}  {short_params(t['config'])}")
     best = view.get("best")
     if best and best.get("best_score") is not None:
         so_far = " so far" if view["status"] == "incomplete" else ""
         lines += [
             "",
             f"best{so_far}: {best['trial_id']} {metric}={_score(best['best_score'])} "
-            f"({console.short_params(best['config'])})",
+            f"({short_params(best['config'])})",
         ]
         if best.get("checkpoint"):
             lines.append(f"checkpoint: {best['checkpoint']}")
@@ -398,3 +397,10 @@ def render_sweep(view: dict[str, Any]) -> str:
     else:
         lines += ["", "no trial reported a score"]
     return "\n".join(lines)
+
+
+def short_params(params: dict[str, Any]) -> str:
+    """A trial's sampled values on one line: 'optim.lr=0.003 batch_size=32'."""
+    return " ".join(
+        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()
+    )
