@@ -166,7 +166,7 @@ def _actors(class_name: str) -> set[str]:
 @pytest.mark.slow
 def test_in_memory_data_starts_no_split_coordinator_streaming_does(ray_cluster, relay_home):
     """Nor Ray Train's DatasetManager, which Ray starts for every worker group, Datasets or not
-    (relay.runtime.cluster.torch_trainer leaves it out of a run without them)."""
+    (relay.runtime.ray_private.torch_trainer leaves it out of a run without them)."""
     watched = ("SplitCoordinator", "DatasetManager")
 
     def run(cache: bool) -> dict[str, set[str]]:

@@ -171,7 +171,7 @@ def test_a_seeded_sweeps_explore_draws_the_same_at_the_same_point(tmp_path):
     import numpy as np
     from ray.tune.schedulers.pbt import _explore
 
-    from relay.runtime import cluster
+    from relay.runtime import ray_private
     from relay.tuning import pbt
 
     spec = pbt_spec(tmp_path, search={
@@ -183,7 +183,7 @@ def test_a_seeded_sweeps_explore_draws_the_same_at_the_same_point(tmp_path):
     start = {"params": {"optim.lr": 1e-3, "optim.weight_decay": 0.05, "batch_size": 32}}
 
     def explore(*key: int) -> dict:
-        with cluster.drawing_from(*key):
+        with ray_private.drawing_from(*key):
             # Resampling half the time: draws through both generators (a domain's sample(None)).
             new, _ = _explore(json.loads(json.dumps(start)), mutations, 0.5, (1.2, 0.8), None)
         return new["params"]

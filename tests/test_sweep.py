@@ -279,7 +279,7 @@ def test_placement_groups_of_dead_actors_are_released(ray_cluster):
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from relay.runtime import cluster
+    from relay.runtime import ray_private
 
     @ray.remote(num_cpus=0)
     class Creator:
@@ -293,12 +293,12 @@ def test_placement_groups_of_dead_actors_are_released(ray_cluster):
     try:
         ray.get(mine.ready())
         made = ray.get(creator.reserve.remote())
-        released = cluster.release_orphaned_placement_groups()
+        released = ray_private.release_orphaned_placement_groups()
         assert made not in released and mine.id.hex() not in released  # its creator lives
         ray.kill(creator)
         deadline = time.monotonic() + 30
         while made not in released and time.monotonic() < deadline:
-            released = cluster.release_orphaned_placement_groups()
+            released = ray_private.release_orphaned_placement_groups()
             time.sleep(0.2)
         assert made in released and mine.id.hex() not in released
         assert ray.util.placement_group_table()[made]["state"] == "REMOVED"

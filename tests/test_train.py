@@ -12,7 +12,7 @@ import relay
 from relay.checkpoints import checkpoint
 from relay.config import from_dict
 from relay.records import registry
-from relay.runtime import cluster
+from relay.runtime import ray_private
 from relay.tasks import BUILTIN, build_task
 from relay.training.trainer import WorkersNotPlaced
 
@@ -68,7 +68,7 @@ def test_builtin_task_trains_with_two_ddp_workers(ray_cluster, relay_home, name)
 
 def test_checkpoint_retention_keeps_the_best(ray_cluster, relay_home):
     cfg = debug_config("digits", epochs=4, checkpoint={"every": 1, "keep": 2})
-    before = cluster.alive_actor_ids("TrainController")
+    before = ray_private.alive_actor_ids("TrainController")
     result = relay.train(cfg, out=None)
     kept = sorted(p.name for p in Path(result.run_dir).glob("epoch_*"))
     assert len(kept) == 2, kept
@@ -84,9 +84,9 @@ def test_checkpoint_retention_keeps_the_best(ray_cluster, relay_home):
 
     # The run's controller ended with it: Ray's Ctrl-C handler, which holds its handle, is gone.
     deadline = time.monotonic() + 30
-    while cluster.alive_actor_ids("TrainController") - before and time.monotonic() < deadline:
+    while ray_private.alive_actor_ids("TrainController") - before and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not cluster.alive_actor_ids("TrainController") - before
+    assert not ray_private.alive_actor_ids("TrainController") - before
 
 
 def test_a_run_whose_workers_cannot_be_placed_fails_within_its_bound_then_resumes(

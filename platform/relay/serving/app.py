@@ -76,7 +76,7 @@ from ray.serve.deployment import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relay.config import NAME_PATTERN
-from relay.runtime import cluster
+from relay.runtime import ray_private
 from relay.serving import json_limits, metrics, model_table, staging
 from relay.serving import open_inference as v2
 from relay.serving.batching import AdaptiveBatcher
@@ -742,4 +742,6 @@ def build(
         **scaling,
     )
     replica_args = args.replica_args()
-    return cluster.with_serve_version(deployment, replica_version(replica_args)).bind(replica_args)
+    return ray_private.with_serve_version(deployment, replica_version(replica_args)).bind(
+        replica_args
+    )

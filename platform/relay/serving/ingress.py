@@ -150,9 +150,9 @@ def running_ingress() -> str:
     """Which ingress the connected cluster's Serve runs (after `serve.start`): an alive
     HAProxyManager actor means HAProxy. Asked of the cluster, not of this process's
     environment: a cluster started elsewhere has flags of its own."""
-    from relay.runtime import cluster
+    from relay.runtime import ray_private
 
-    return HAPROXY if cluster.alive_actors("HAProxyManager") else PROXY
+    return HAPROXY if ray_private.alive_actors("HAProxyManager") else PROXY
 
 
 def wait_until_answering(url: str, timeout_s: float = 60.0) -> None:

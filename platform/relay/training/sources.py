@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from relay.config import RunConfig
+from relay.runtime import ray_private
 from relay.tasks.base import Columns, Task
 
 if TYPE_CHECKING:
@@ -180,7 +181,7 @@ def _read_parquet(path: str, files: int | None = None, **options: Any) -> ray.da
     # bar and two INFO lines on the driver's terminal, for every Dataset it builds.
     saved = context.use_datasource_v2, context.enable_progress_bars
     context.use_datasource_v2, context.enable_progress_bars = False, False
-    planner_log = logging.getLogger("ray.data._internal.datasource.parquet_datasource")
+    planner_log = logging.getLogger(ray_private.PARQUET_PLANNER_LOGGER)
     log_level = planner_log.level
     planner_log.setLevel(logging.WARNING)
     try:

@@ -20,7 +20,7 @@ from relay.checkpoints import checkpoint, consolidate
 from relay.config import ConfigError, RunConfig
 from relay.observe import console, doctor, tracking
 from relay.records import history, registry, run_admin
-from relay.runtime import cluster, worker_memory
+from relay.runtime import cluster, ray_private, worker_memory
 from relay.training import efficiency
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ def build_trainer(
         "init_checkpoint": init_checkpoint,
     }
     limited = cfg.scaling.memory_per_worker is not None
-    return cluster.torch_trainer(
+    return ray_private.torch_trainer(
         # Out of memory at the limit: the same wall on every restart, so the run ends at once.
         out_of_memory_ends=(run_id, cfg.scaling.max_workers) if limited else None,
         train_loop_per_worker=train_loop_per_worker,
@@ -316,7 +316,7 @@ def _not_placed(cfg: RunConfig, run_id: str, exc: BaseException, wait_s: float) 
     """The error of a run that gave up waiting for its workers, naming what it waited for,
     for how long, what the cluster had free and the fields that set the bound; None if the
     failure was another."""
-    if not cluster.gave_up_placing_workers(exc):
+    if not ray_private.gave_up_placing_workers(exc):
         return None
     import ray
 

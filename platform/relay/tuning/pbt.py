@@ -48,7 +48,7 @@ from ray import tune
 from relay.checkpoints import checkpoint
 from relay.config import SweepConfig, trial_config
 from relay.records import history, registry
-from relay.runtime import cluster
+from relay.runtime import ray_private
 from relay.training import trainer
 
 # PBT's clock, reported only on the epochs PBT may act after (`acting_epochs`): never a trial's last
@@ -102,7 +102,7 @@ def scheduler(cfg: SweepConfig):
     # Tune advises reuse_actors with PBT; relay must not: a stopped trial's actor still holds
     # its Train run, so each start needs a fresh actor.
     warnings.filterwarnings("ignore", "Consider boosting PBT performance", UserWarning)
-    return cluster.population_based_training(
+    return ray_private.population_based_training(
         seed=cfg.seed,  # explore and the choice of donor, reproducible (null: fresh draws)
         time_attr=TIME_ATTR,
         perturbation_interval=cfg.pbt.interval,

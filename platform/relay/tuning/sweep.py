@@ -36,7 +36,7 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 from relay.config import SearchDimension, SweepConfig, sweep_from_dict, trial_config
 from relay.observe import doctor, tracking
 from relay.records import registry, sweep_records
-from relay.runtime import cluster
+from relay.runtime import cluster, ray_private
 from relay.training import ingest, trainer
 from relay.tuning import pbt, promotion
 
@@ -319,7 +319,7 @@ def run(
         )
     tracking.open_sweep(cfg, sweep_dir, sweep_id, resume=resume is not None)
     try:
-        with cluster.reclaiming_orphans():
+        with ray_private.reclaiming_orphans():
             grid = _tuner(cfg, sweep_id, storage, out, restore=resume is not None).fit()
         result = _summarize(cfg, sweep_id, sweep_dir, storage, grid, out)
     except BaseException as exc:
