@@ -3,6 +3,7 @@
 import relay
 cfg = relay.load_config("jobs/configs/digits.yaml", ["epochs=3"])
 result = relay.train(cfg)   # ray.init() is done for you if nobody has
+sweep = relay.tune(relay.load_sweep_config("jobs/configs/digits-sweep.yaml"))
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from relay.version import __version__
 
-__all__ = ["__version__", "load_config", "train"]
-
 if TYPE_CHECKING:
-    from relay.config import RunConfig
+    from relay.config import RunConfig, SweepConfig
     from relay.training.trainer import RunResult
+    from relay.tuning.sweep import SweepResult
+
+__all__ = ["__version__", "load_config", "load_sweep_config", "train", "tune"]
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig:
@@ -25,9 +27,46 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig
     return load(path, overrides)
 
 
-def train(cfg: RunConfig | dict[str, Any], **kwargs: Any) -> RunResult:
-    """Train on the current Ray cluster, or an embedded local one; see relay.train.fit."""
-    from relay.config import RunConfig, from_dict
-    from relay.training.trainer import fit
+def load_sweep_config(path: str, overrides: list[str] = ()) -> SweepConfig:
+    """Load and validate a sweep config (YAML file plus `dotted.key=value` overrides); its
+    `train:` may name a run config file, relative to the sweep's."""
+    from relay.config import load_sweep
 
-    return fit(cfg if isinstance(cfg, RunConfig) else from_dict(cfg), **kwargs)
+    return load_sweep(path, overrides)
+
+
+def train(cfg: RunConfig | dict[str, Any], **kwargs: Any) -> RunResult:
+    """Train on the current Ray cluster, or an embedded local one; returns the run's result
+    (run id, best checkpoint, registered model version, history). See
+    relay.training.trainer.fit for the keyword arguments.
+
+        import relay
+        cfg = relay.load_config("jobs/configs/digits.yaml", ["epochs=2"])
+        result = relay.train(cfg)
+        print(result.run_id, result.model)   # e.g. digits-1a2b3c4d digits:1
+    """
+    from relay.config import RunConfig, from_dict
+
+    cfg = cfg if isinstance(cfg, RunConfig) else from_dict(cfg)
+    from relay.training.trainer import fit  # Ray: only once the config is good
+
+    return fit(cfg, **kwargs)
+
+
+def tune(sweep: SweepConfig | dict[str, Any], **kwargs: Any) -> SweepResult:
+    """Sweep hyperparameters over the same train loop (Ray Tune: random, grid, TPE or PBT
+    search, ASHA stopping) on the current Ray cluster, or an embedded local one; registers the
+    best trial as a model version. See relay.tuning.sweep.run for the keyword arguments
+    (`resume=<sweep id>` continues an interrupted sweep).
+
+        import relay
+        sweep = relay.load_sweep_config("jobs/configs/digits-sweep.yaml", ["num_samples=2"])
+        result = relay.tune(sweep)
+        print(result.sweep, result.best["config"], result.model)
+    """
+    from relay.config import SweepConfig, sweep_from_dict
+
+    cfg = sweep if isinstance(sweep, SweepConfig) else sweep_from_dict(sweep)
+    from relay.tuning import sweep as sweeps  # Ray Tune: only once the config is good
+
+    return sweeps.run(cfg, **kwargs)
