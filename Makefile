@@ -43,6 +43,8 @@ format: venv
 # Every benchmark, one after another (~30 min on 2 cores; run it on a quiet machine): their
 # figures go to bench/results.jsonl with commit, date and machine, and into README.md and docs/.
 bench: venv
+	@command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq wrk >/dev/null) || echo "bench: wrk could not be installed" >&2
 	$(BIN)/python bench/run_all.py
 
 clean:

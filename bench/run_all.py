@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -201,6 +202,21 @@ def write_results(results: dict[str, dict]) -> None:
     tmp.replace(RESULTS)
 
 
+# The programs a bench needs besides the venv, and where to get each (Debian's package).
+TOOLS = {"serve_load": ["wrk"], "serve_multiplex": ["wrk"], "scaling_hosts": ["ip"]}
+PACKAGES = {"wrk": "wrk", "ip": "iproute2"}
+
+
+def missing_tools(names: list[str]) -> dict[str, list[str]]:
+    """Each program the benches `names` need that is not on PATH, with the benches needing it."""
+    missing: dict[str, list[str]] = {}
+    for name in names:
+        for tool in TOOLS.get(name, []):
+            if shutil.which(tool) is None:
+                missing.setdefault(tool, []).append(name)
+    return missing
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--only", nargs="+", choices=sorted(BENCHES), help="benches to run")
@@ -211,6 +227,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:16} {command_text(bench_argv)}")
         return 0
     names = args.only or list(BENCHES)
+    # Before anything runs: a bench that finds its tool missing an hour in fails there.
+    if missing := missing_tools(names):
+        for tool, benches in missing.items():
+            print(
+                f"bench: {', '.join(benches)}: needs `{tool}` (apt-get install {PACKAGES[tool]}; "
+                "`make bench` installs it where it can), or leave them out with --only",
+                file=sys.stderr,
+            )
+        return 2
     results = read_results()
     failed = []
     logs = Path(os.environ.get("RELAY_BENCH_LOGS", "/tmp/relay-bench-logs"))
