@@ -148,7 +148,7 @@ def test_cli_rejects_bad_configs_before_ray(tmp_path):
 
 
 def test_config_reference_in_docs_is_current():
-    from relay.reference import config_reference
+    from relay.config.reference import config_reference
 
     page = (REPO / "docs" / "config-reference.md").read_text()
     assert config_reference() in page, (

@@ -20,7 +20,7 @@ LAYERS = [
     {"version", "models"},
     {"tasks"},
     {"config"},
-    {"reference", "checkpoints"},
+    {"checkpoints"},
     {"parallel", "runtime", "records"},
     {"observe"},
     {"training", "serving"},

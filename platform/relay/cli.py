@@ -770,7 +770,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_reference(args: argparse.Namespace) -> int:
-    from relay.reference import config_reference
+    from relay.config.reference import config_reference
 
     print(config_reference(), end="")
     return 0

@@ -10,7 +10,7 @@ import typing
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from relay.config import RunConfig
+from relay.config.run import RunConfig
 
 
 def _type_name(annotation) -> str:

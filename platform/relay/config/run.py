@@ -1,23 +1,19 @@
 """The run configuration: one typed, validated tree, loaded from YAML plus `--set` overrides.
 
 Everything a run needs is here and checked once, at the edge, before any cluster work. Below this
-module, code receives a `RunConfig`; it becomes a plain dict only at the Ray boundary
+package, code receives a `RunConfig`; it becomes a plain dict only at the Ray boundary
 (`train_loop_config`) and is rebuilt from that dict inside each worker.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-import yaml
 from pydantic import (
-    BaseModel,
     ByteSize,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -25,16 +21,17 @@ from pydantic import (
     model_validator,
 )
 
+from relay.config.base import ConfigError, Section, error_lines, name_field
+from relay.config.overrides import apply_overrides, read_yaml
+from relay.config.uris import (
+    _CREDENTIALS_HELP,
+    TRACKING_SCHEMES,
+    redacted_uri,
+    uri_credentials,
+)
 
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the offending field."""
 
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class OptimConfig(_Section):
+class OptimConfig(Section):
     name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="Optimizer.")
     lr: float = Field(0.003, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled (adamw) or L2 weight decay.")
@@ -44,7 +41,7 @@ class OptimConfig(_Section):
     )
 
 
-class ScheduleConfig(_Section):
+class ScheduleConfig(Section):
     name: Literal["constant", "cosine", "linear"] = Field(
         "constant", description="Learning-rate schedule over all optimizer steps."
     )
@@ -56,7 +53,7 @@ class ScheduleConfig(_Section):
     )
 
 
-class ScalingConfig(_Section):
+class ScalingConfig(Section):
     num_workers: int | tuple[int, int] = Field(
         2,
         description="Workers (Ray Train worker actors), or [min, max] for elastic training: "
@@ -143,7 +140,7 @@ class ScalingConfig(_Section):
         return value
 
 
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     """How the model, its gradients and its optimizer state are spread over the workers.
 
     In fp32 every strategy trains the same model to the same result (up to float rounding);
@@ -196,7 +193,7 @@ class ParallelConfig(_Section):
         return value
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     every: int = Field(1, ge=1, description="Checkpoint every N epochs (the last epoch always).")
     keep: int | None = Field(2, ge=1, description="Checkpoints kept (best by `metric`); null: all.")
     metric: str | None = Field(
@@ -225,7 +222,7 @@ class CheckpointConfig(_Section):
         return self.format == "sharded" or (self.format == "auto" and strategy == "fsdp")
 
 
-class FailureConfig(_Section):
+class FailureConfig(Section):
     max_failures: int = Field(
         2, ge=-1, description="Worker-group restarts from the last checkpoint; -1: unlimited."
     )
@@ -247,7 +244,7 @@ class FailureConfig(_Section):
     )
 
 
-class DoctorConfig(_Section):
+class DoctorConfig(Section):
     watch: bool = Field(
         True,
         description="Watch the ranks' progress while the run trains; when it stalls, dump "
@@ -262,73 +259,7 @@ class DoctorConfig(_Section):
     )
 
 
-TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql")
-# A query parameter whose name (or, for e.g. mssql's `odbc_connect=...;PWD=...`, whose value's
-# own `name=`) holds one of these words carries a credential.
-_SECRET_WORDS = ("pass", "pwd", "secret", "token", "apikey", "api_key", "access_key")
-_CREDENTIALS_HELP = {  # where each kind of tracking URI's credentials go instead
-    "http": "in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN), "
-    "environment variables MLflow reads",
-    "postgresql": "in PGPASSWORD or ~/.pgpass, which the driver reads",
-    "mysql": "in an option file the driver reads (?read_default_file=/path/my.cnf)",
-    "mssql": "in a DSN or a trusted connection",
-    "sql": "where the database driver reads them (its environment or files)",
-}
-
-
-def _secret_query(query: str) -> list[str]:
-    from urllib.parse import parse_qsl
-
-    def secret(text: str) -> bool:
-        return any(word in text.lower() for word in _SECRET_WORDS)
-
-    return [
-        key
-        for key, value in parse_qsl(query, keep_blank_values=True)
-        if secret(key) or any(secret(part.partition("=")[0]) for part in value.split(";"))
-    ]
-
-
-def uri_credentials(uri: str) -> str | None:
-    """What in a tracking URI is a credential (None: nothing). An HTTP URI may carry none: an
-    `@` anywhere is taken for userinfo (requests sends it as basic auth); a database URI may
-    name its user but not the password, as SQLAlchemy (MLflow's parser) reads it."""
-    from urllib.parse import urlsplit
-
-    scheme, _, rest = uri.partition("://")
-    if scheme in ("http", "https") and "@" in rest:
-        return "userinfo (user:password@)"
-    if scheme not in ("http", "https") and not scheme.startswith("sqlite"):
-        try:
-            from sqlalchemy.engine import make_url
-
-            password = make_url(uri).password
-        except Exception:  # no SQLAlchemy, or not its form: any `user:...@` counts
-            password = ":" in rest.rpartition("@")[0]
-        if password:
-            return "a password (user:password@)"
-    named = _secret_query(urlsplit(uri).query)
-    return f"the query parameter {named[0]!r}" if named else None
-
-
-def redacted_uri(uri: str) -> str:
-    """A tracking URI fit to print or record: what may be userinfo (all up to the last `@`)
-    and the values of secret query parameters as `***`."""
-    from urllib.parse import parse_qsl, urlencode
-
-    scheme, sep, rest = uri.partition("://")
-    if sep and "@" in rest and not scheme.startswith("sqlite"):
-        uri = f"{scheme}://***@{rest.rpartition('@')[2]}"
-    base, mark, query = uri.partition("?")
-    query, hash_, fragment = query.partition("#")
-    secret = set(_secret_query(query))
-    if secret:
-        pairs = [(k, "***" if k in secret else v) for k, v in parse_qsl(query, True)]
-        uri = f"{base}{mark}{urlencode(pairs, safe='*/')}{hash_}{fragment}"
-    return uri
-
-
-class MlflowConfig(_Section):
+class MlflowConfig(Section):
     uri: str | None = Field(
         None,
         description="MLflow tracking URI: an MLflow server (`http://host:5000`) or a database "
@@ -365,7 +296,7 @@ class MlflowConfig(_Section):
         return uri
 
 
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
     tensorboard: bool = Field(
         False,
         description="Write each epoch's metrics as TensorBoard event files in the run's "
@@ -398,7 +329,7 @@ class TrackingConfig(_Section):
 FileFormat = Literal["parquet", "csv", "jsonl", "text", "images"]
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     """Where a run's samples come from: the task's own loader (`Task.load_data`, in memory),
     or files read and preprocessed on the cluster by Ray Data (`format` + `path`)."""
 
@@ -475,21 +406,8 @@ class DataConfig(_Section):
         return (not self.from_files) if self.cache is None else self.cache
 
 
-# Names become directory names and URL path segments: letters, digits, '_', '.', '-'.
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
-
-
-def _name_field(default: str, what: str):
-    return Field(
-        default,
-        pattern=NAME_PATTERN,
-        max_length=64,
-        description=f"{what} name prefix; the {what.lower()} id is `<name>-<timestamp>-<suffix>`.",
-    )
-
-
-class RunConfig(_Section):
-    name: str = _name_field("run", "Run")
+class RunConfig(Section):
+    name: str = name_field("run", "Run")
     task: str = Field(
         ..., description='A built-in task name, or a user task as "package.module:Class".'
     )
@@ -566,368 +484,14 @@ def resolve_storage(storage: str | None) -> Path:
     return Path(raw).expanduser().resolve()
 
 
-def _error_lines(error: ValidationError) -> list[str]:
-    lines = []
-    for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"])
-        message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":
-            message = "unknown field"
-        # A section's own validator names the full field itself ("data.path: ...").
-        named = not where or message.startswith(f"{where}.")
-        lines.append(message if named else f"{where}: {message}")
-    return lines
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`optim.lr=0.05` → (["optim", "lr"], 0.05); the value is read as YAML."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--set {text!r}: expected dotted.key=value")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {key}: value is not valid YAML ({exc})") from None
-    return key.strip().split("."), value
-
-
-def set_dotted(data: dict[str, Any], path: list[str], value: Any) -> None:
-    """`data[path[0]][path[1]]... = value`, creating sections on the way."""
-    node = data
-    for depth, part in enumerate(path[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            where = ".".join(path[: depth + 1])
-            raise ConfigError(f"{where}: is not a section, cannot set {'.'.join(path)}")
-        node = child
-    node[path[-1]] = value
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A config as dotted fields: {"parallel": {"strategy": "ddp"}} → {"parallel.strategy":
-    "ddp"} (the names `--set` takes); an empty section stays a field of its own."""
-    fields: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            fields.update(flatten(value, f"{prefix}{key}."))
-        else:
-            fields[f"{prefix}{key}"] = value
-    return fields
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    for text in overrides:
-        set_dotted(data, *parse_override(text))
-    return data
-
-
 def from_dict(data: dict[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError("\n".join(_error_lines(exc))) from None
+        raise ConfigError("\n".join(error_lines(exc))) from None
 
 
 def load(path: str | os.PathLike[str] | None, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML config (or none: all defaults) and apply `--set` overrides."""
-    data = _read_yaml(path) if path is not None else {}
+    data = read_yaml(path) if path is not None else {}
     return from_dict(apply_overrides(data, list(overrides)))
-
-
-def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config file ({exc.strerror})") from None
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of fields")
-    return loaded
-
-
-# --- sweeps -----------------------------------------------------------------------------------
-
-Distribution = Literal["choice", "grid", "uniform", "loguniform", "randint"]
-
-
-class SearchDimension(_Section):
-    """One searched field: exactly one of the keys below."""
-
-    choice: list[Any] | None = Field(None, min_length=1, description="Sample one of these.")
-    grid: list[Any] | None = Field(None, min_length=1, description="Try every one of these.")
-    uniform: tuple[float, float] | None = Field(None, description="[low, high], uniform.")
-    loguniform: tuple[float, float] | None = Field(
-        None, description="[low, high], uniform in log space (both > 0)."
-    )
-    randint: tuple[int, int] | None = Field(None, description="[low, high): an integer.")
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> SearchDimension:
-        given = [name for name in get_args(Distribution) if getattr(self, name) is not None]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of {', '.join(get_args(Distribution))}")
-        kind = given[0]
-        if kind in ("uniform", "loguniform", "randint"):
-            low, high = getattr(self, kind)
-            if not low < high:
-                raise ValueError(f"{kind}: low ({low}) must be below high ({high})")
-            if kind == "loguniform" and low <= 0:
-                raise ValueError("loguniform: bounds must be > 0")
-        return self
-
-    @property
-    def kind(self) -> Distribution:
-        return next(n for n in get_args(Distribution) if getattr(self, n) is not None)
-
-    def probe_values(self) -> list[Any]:
-        """Values that stand for the whole dimension when checking it against the config."""
-        if self.kind in ("choice", "grid"):
-            return list(getattr(self, self.kind))
-        low, high = getattr(self, self.kind)
-        return [low, high - 1] if self.kind == "randint" else [low, high]
-
-
-class AshaConfig(_Section):
-    enabled: bool = Field(True, description="Stop weak trials early; false runs every trial out.")
-    max_t: int | None = Field(
-        None,
-        ge=1,
-        description="Epochs a trial may run at most. Always `train.epochs`, the one place to set "
-        "a trial's length: leave it null (filled from `train.epochs`); a value that differs "
-        "is an error.",
-    )
-    grace_period: int = Field(1, ge=1, description="Epochs every trial runs before it may stop.")
-    reduction_factor: float = Field(
-        2.0, gt=1, description="Keep the best 1/reduction_factor of trials at each rung."
-    )
-    strategy: Literal["stop", "promote"] = Field(
-        "stop",
-        description="stop: Ray's ASHAScheduler — a trial reaching a rung goes on if it ranks in "
-        "the top 1/reduction_factor of the results recorded there so far, else stops (the "
-        "first to arrive always goes on). promote: ASHA as published — a trial pauses at each "
-        "rung unless it ranks in the rung's top 1/reduction_factor, and a free slot resumes the "
-        "best paused trial that has become promotable, else starts a new one; each resume "
-        "costs one run start-up (promotion.py).",
-    )
-
-
-SearchAlgorithm = Literal["random", "grid", "tpe", "pbt"]
-
-
-class PbtConfig(_Section):
-    """Population Based Training (`search_alg: pbt`): every `interval` epochs the weaker
-    trials copy a stronger trial's checkpoint (weights and optimizer) and perturb its
-    hyperparameters (the `search` fields)."""
-
-    interval: int = Field(
-        2, ge=1, description="Epochs between exploit/explore steps (PBT's perturbation interval)."
-    )
-    quantile_fraction: float = Field(
-        0.25,
-        gt=0,
-        le=0.5,
-        description="The bottom fraction of trials copies from the top fraction.",
-    )
-    resample_probability: float = Field(
-        0.25,
-        ge=0,
-        le=1,
-        description="Chance that an explored field is drawn afresh from its search "
-        "distribution instead of perturbed (a number multiplied by 0.8 or 1.2, a choice moved "
-        "to a neighbouring value); perturbed numbers stay within their search bounds.",
-    )
-    synch: bool = Field(
-        True,
-        description="true: the population waits at every interval until all its trials "
-        "reached it, so each exploit compares the whole population (each trial's Train run "
-        "restarts there: a start-up per trial per interval); false: each trial decides when "
-        "it arrives, against the scores the others last reported (no waiting, no restart of "
-        "a continuing trial, but early arrivals have few trials to compare with).",
-    )
-
-
-# Fields a PBT exploit cannot change: the donor's checkpoint must fit the trial's model and
-# optimizer, and every trial runs the sweep's whole length (`train.epochs`).
-PBT_FIXED_FIELDS = ("task", "size", "model", "epochs", "optim.name")
-
-
-class SweepConfig(BaseModel):
-    # No validate_assignment here: the validator below fills fields in, and re-validating the
-    # whole sweep on each of those assignments would run the validator again.
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = _name_field("sweep", "Sweep")
-    train: RunConfig = Field(
-        ..., description="The train config every trial starts from (a mapping, or a YAML path)."
-    )
-    search: dict[str, SearchDimension] = Field(
-        ..., min_length=1, description="Dotted train-config field → distribution."
-    )
-    num_samples: int = Field(8, ge=1, description="Trials sampled (× the grid's combinations).")
-    seed: int | None = Field(
-        None,
-        ge=0,
-        description="Seeds the search's draws: the same seed samples the same trial configs in "
-        "the same order (pbt: and the same exploit/explore draws); null: fresh draws every sweep.",
-    )
-    metric: str | None = Field(None, description="Metric to optimise; null: the task's metric.")
-    mode: Literal["min", "max"] | None = Field(None, description="null: the task's mode.")
-    search_alg: SearchAlgorithm = Field(
-        "random",
-        description="How trial configs are chosen: random (and grid) draws, tpe (Optuna's "
-        "Tree-structured Parzen Estimator, learning from finished trials; with ASHA), or pbt "
-        "(Population Based Training; replaces ASHA).",
-    )
-    asha: AshaConfig = Field(default_factory=AshaConfig, description="ASHA early stopping.")
-    pbt: PbtConfig = Field(default_factory=PbtConfig, description="Used when search_alg is pbt.")
-    workers_per_trial: int | None = Field(
-        None, ge=1, description="DDP workers of each trial; null: train.scaling.num_workers."
-    )
-    max_concurrent_trials: int | None = Field(
-        None,
-        ge=1,
-        description="null: as many as the cluster's free CPUs/GPUs hold at once, plus `overlap`.",
-    )
-    overlap: int = Field(
-        0,
-        ge=0,
-        description="Trials started beyond what the free CPUs/GPUs hold (max_concurrent_trials "
-        "null; not pbt): each prepares its driver, controller and data while others train, and "
-        "its workers start when a running trial ends.",
-    )
-    model_name: str | None = Field(
-        None, description="Register the best trial under this model; null: the task's name."
-    )
-
-    @model_validator(mode="after")
-    def _fit_train(self) -> SweepConfig:
-        if self.workers_per_trial is not None:
-            self.train.scaling.num_workers = self.workers_per_trial
-        self.metric = self.metric or self.train.checkpoint.metric
-        self.mode = self.mode or self.train.checkpoint.mode
-        # `train.epochs` alone sets how long a trial may train (ASHA decides how many of those
-        # epochs each trial gets): a `--set train.epochs=N` must never be silently outvoted.
-        epochs = self.train.epochs
-        if self.asha.max_t is not None and self.asha.max_t != epochs:
-            raise ValueError(
-                f"asha.max_t: {self.asha.max_t} contradicts train.epochs ({epochs}); a trial's "
-                "length is train.epochs alone: set that, and leave asha.max_t unset"
-            )
-        self.asha.max_t = epochs
-        if self.asha.grace_period > epochs:
-            raise ValueError(f"asha.grace_period: must be <= train.epochs ({epochs})")
-        base = self.train.model_dump(mode="json", exclude_defaults=False)
-        for key, dimension in self.search.items():
-            for value in dimension.probe_values():
-                try:
-                    trial_config(base, {key: value})
-                except ConfigError as exc:
-                    raise ValueError(f"search.{key}: {value!r} does not fit: {exc}") from None
-        return self
-
-    @model_validator(mode="after")
-    def _fit_search_alg(self) -> SweepConfig:
-        """Each search algorithm takes only the dimensions it can use: grid enumerates, so
-        every field must be a list (grid or choice); TPE samples, so no field may be a grid."""
-        if self.search_alg == "grid":
-            for key, dimension in self.search.items():
-                if dimension.kind not in ("grid", "choice"):
-                    raise ValueError(
-                        f"search.{key}: search_alg grid tries every combination, and "
-                        f"{dimension.kind} cannot be enumerated: give grid: [...] or choice: [...]"
-                    )
-            # Each combination once unless asked: repeats of a grid rerun identical configs.
-            if "num_samples" not in self.model_fields_set:
-                self.num_samples = 1
-        elif self.search_alg == "tpe":
-            for key, dimension in self.search.items():
-                if dimension.kind == "grid":
-                    raise ValueError(
-                        f"search.{key}: search_alg tpe samples every field and cannot run a "
-                        "grid: use choice: [...] (or search_alg grid)"
-                    )
-            try:
-                import optuna  # noqa: F401  (only whether it imports matters here)
-            except ImportError:
-                raise ValueError(
-                    "search_alg: tpe needs Optuna, which is not installed: "
-                    "pip install 'relay[optuna]'"
-                ) from None
-        return self
-
-    @property
-    def population(self) -> int:
-        """Trials the sweep creates: num_samples for each combination of the grid fields."""
-        grids = [len(d.grid) for d in self.search.values() if d.grid is not None]
-        return self.num_samples * math.prod(grids)
-
-    @model_validator(mode="after")
-    def _fit_pbt(self) -> SweepConfig:
-        if self.search_alg != "pbt":
-            return self
-        for key in self.search:
-            if key in PBT_FIXED_FIELDS or key.startswith("model."):
-                raise ValueError(
-                    f"search.{key}: search_alg pbt copies checkpoints between trials, so every "
-                    "trial keeps the same task, size, model, epochs and optimizer: set it in "
-                    "train, not in search"
-                )
-        if "asha" in self.model_fields_set and self.asha.enabled:
-            raise ValueError(
-                "asha.enabled: search_alg pbt replaces ASHA (weak trials copy strong ones "
-                "instead of stopping): set asha.enabled false, or leave asha out"
-            )
-        # Left out: off, as the saved sweep.json then says (and `--resume` reads back).
-        self.asha.enabled = False
-        if self.population < 2:
-            raise ValueError("num_samples: search_alg pbt needs a population of at least 2")
-        if self.max_concurrent_trials is not None and self.max_concurrent_trials < (
-            self.population
-        ):
-            raise ValueError(
-                f"max_concurrent_trials: search_alg pbt trains its whole population at once: "
-                f"must be >= {self.population} (num_samples x grid combinations)"
-            )
-        epochs, every = self.train.epochs, self.train.checkpoint.every
-        if self.pbt.interval >= epochs:
-            raise ValueError(
-                f"pbt.interval: must be below train.epochs ({epochs}): PBT acts every interval "
-                "epochs and never at the last"
-            )
-        if self.pbt.interval % every:
-            raise ValueError(
-                f"pbt.interval: must be a multiple of train.checkpoint.every ({every}): a trial "
-                "hands over the checkpoint of the epoch it reached"
-            )
-        return self
-
-
-def trial_config(base: dict[str, Any], params: dict[str, Any]) -> RunConfig:
-    """The train config of one trial: the sweep's base with the sampled `params` set."""
-    import copy
-
-    data = copy.deepcopy(base)
-    for key, value in params.items():
-        set_dotted(data, key.split("."), value)
-    return from_dict(data)
-
-
-def load_sweep(path: str | os.PathLike[str], overrides: list[str] = ()) -> SweepConfig:
-    """Read a sweep YAML; `train:` may be a path to a train config (relative to the sweep)."""
-    data = _read_yaml(path)
-    if isinstance(data.get("train"), str):
-        train_path = Path(path).parent / data["train"]
-        data["train"] = _read_yaml(train_path)
-    return sweep_from_dict(apply_overrides(data, list(overrides)))
-
-
-def sweep_from_dict(data: dict[str, Any]) -> SweepConfig:
-    try:
-        return SweepConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError("\n".join(_error_lines(exc))) from None
