@@ -101,6 +101,7 @@ def multiplexed_deployment(models: list, max_models: int):
 
     from relay.serving import app, model_table
     from relay.serving.batching import AdaptiveBatcher
+    from relay.serving.routes import build_http_app, model_named_in
 
     class MultiplexedServer(app.ModelServer.func_or_class):
         async def __init__(self, args) -> None:  # an ingress class's __init__ is async
@@ -119,7 +120,7 @@ def multiplexed_deployment(models: list, max_models: int):
             return entry
 
         def __serve_build_asgi_app__(self):
-            api = app.build_http_app(self)
+            api = build_http_app(self)
             api.add_middleware(LoadOnDemand, server=self)  # the outermost layer
             return api
 
@@ -131,7 +132,7 @@ def multiplexed_deployment(models: list, max_models: int):
             self.asgi, self.server = asgi, server
 
         async def __call__(self, scope, receive, send) -> None:
-            if scope["type"] == "http" and (name := app.model_named_in(scope)) in self.server.known:
+            if scope["type"] == "http" and (name := model_named_in(scope)) in self.server.known:
                 await self.server.get_model(name)
             await self.asgi(scope, receive, send)
 

@@ -94,7 +94,7 @@ MIB = 1 << 20
 def test_a_mib_of_empty_objects_is_refused_before_it_is_parsed():
     """1 MiB of `{},` parses into ~24 MiB of dicts and list slots; refused by its count of
     objects, with a fraction of that in memory at its peak."""
-    from relay.serving.app import parse_json
+    from relay.serving.answers import parse_json
 
     body = b'{"instances": [' + b"{}," * (MIB // 3) + b"{}]}"
     tracemalloc.start()
@@ -123,7 +123,7 @@ def test_the_json_budget_counts_structure_not_string_contents():
 
 
 def test_a_deep_body_is_a_422_naming_its_depth():
-    from relay.serving.app import parse_json
+    from relay.serving.answers import parse_json
 
     body = b'{"instances": [' + b"[" * 100 + b"]" * 100 + b"]}"
     _, refusal = parse_json(body, max_instances=256)
@@ -141,9 +141,9 @@ def test_a_deep_body_is_a_422_naming_its_depth():
 def test_a_crash_answers_a_generic_500_and_logs_the_details(caplog):
     """What an exception says (a path, a piece of the model, of another request) stays in the
     replica's log, found there by the id the client got."""
-    from relay.serving.app import ModelResponses
     from relay.serving.metrics import ReplicaMetrics
     from relay.serving.model_table import LoadedModel, ModelInfo
+    from relay.serving.routes import ModelResponses
 
     class Replica:
         info = ModelInfo(name="digits", reference="digits:3", version=3, task="digits",
@@ -164,7 +164,7 @@ def test_a_crash_answers_a_generic_500_and_logs_the_details(caplog):
 
     scope = {"type": "http", "method": "POST", "path": "/v1/models/digits:predict",
              "root_path": "", "headers": []}  # fmt: skip
-    with caplog.at_level(logging.ERROR, logger="relay.serving.app"):
+    with caplog.at_level(logging.ERROR, logger="relay.serving.routes"):
         asyncio.run(ModelResponses(crashing_route, Replica())(scope, receive, send))
     assert sent[0]["status"] == 500
     message = json.loads(sent[1]["body"])["error"]

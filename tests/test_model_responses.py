@@ -1,4 +1,4 @@
-"""relay's outermost ASGI layer of a replica (relay/serving/app.py, ModelResponses), called as
+"""relay's outermost ASGI layer of a replica (relay/serving/routes.py, ModelResponses), called as
 Serve calls it: every answer about a model carries the version that answered, a crash's 500
 too, and is counted in the replica's metrics under that version."""
 
@@ -10,8 +10,8 @@ import json
 import pytest
 
 from relay.serving import metrics
-from relay.serving.app import VERSION_HEADER, ModelResponses
 from relay.serving.model_table import LoadedModel, ModelInfo
+from relay.serving.routes import VERSION_HEADER, ModelResponses
 
 pytestmark = pytest.mark.timeout(30)
 

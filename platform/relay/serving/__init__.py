@@ -1,6 +1,10 @@
 """Serving registered models over HTTP with Ray Serve.
 
-- app.py: the Serve application (FastAPI ingress, KServe v1 and v2 routes) and its arguments;
+- app.py: the Serve application: the replica (ModelServer) and the builders Serve and
+  `relay serve` call;
+- args.py: the application's arguments (AppArgs, ReplicaArgs) and the replicas' version;
+- routes.py: each replica's FastAPI app: KServe v1 and v2 routes, OpenAPI, the version header;
+- answers.py: request bodies parsed under their limits, answers encoded, models as shown;
 - model_table.py: which models an endpoint serves, resolved on the driver, swapped in place;
 - batching.py: the adaptive batcher;
 - open_inference.py: KServe v2 (Open Inference Protocol) tensors ↔ a task's schemas;

@@ -181,7 +181,7 @@ def _app_args(refs: list[str], options: dict[str, Any]):
     """AppArgs from the command line, or the one-line message for a bad flag."""
     from pydantic import ValidationError
 
-    from relay.serving.app import AppArgs
+    from relay.serving.args import AppArgs
 
     try:
         return AppArgs(model=refs, **options), None
@@ -311,7 +311,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if found.auth_mode:
         os.environ.setdefault("RAY_AUTH_MODE", found.auth_mode)
 
-    from relay.serving.app import AppArgs
+    from relay.serving.args import AppArgs
 
     served_args = AppArgs.model_validate(found.args)
     new_args, problem = _app_args(args.refs, served_args.replica_args().model_dump())
@@ -332,7 +332,8 @@ def _swap_in(new: list, served_args, found: endpoint.Endpoint, verbose: bool) ->
 
     from relay.runtime import cluster
     from relay.serving import staging
-    from relay.serving.app import build, shown
+    from relay.serving.answers import shown
+    from relay.serving.app import build
     from relay.serving.model_table import user_config
 
     try:
