@@ -170,7 +170,29 @@ def fit(
     from relay.training import ingest
 
     times = {"started": time.time()}
-    started = times["started"]
+    previous, init_checkpoint = _check_start(cfg, run_id, init_checkpoint, allow_task)
+    cluster.connect(verbose=verbose, num_cpus=ingest.cpus_to_start(cfg))
+    times["connected"] = time.time()
+    run_data = ingest.prepare(cfg, shared=data)
+    train_rows = run_data.train_rows
+    if train_rows < cfg.scaling.max_workers:
+        raise ValueError(
+            f"{train_rows} training samples cannot feed {cfg.scaling.max_workers} workers"
+        )
+    opened = _open_run(cfg, run_id, previous, init_checkpoint, labels, times["started"], out)
+    # The failure clock stamps worker-group restarts: the efficiency report's start-up.
+    callbacks = [*(callbacks or []), failure_clock(opened.run_dir), *opened.tracked.callbacks]
+    trainer = build_trainer(cfg, opened.run_id, run_data, callbacks, init_checkpoint)
+    result = _run(cfg, opened, trainer, out, times)
+    return _finish(cfg, opened, result, times, register=register, model_name=model_name, out=out)
+
+
+def _check_start(
+    cfg: RunConfig, run_id: str | None, init_checkpoint: str | Path | None, allow_task
+) -> tuple[dict | None, str | None]:
+    """Before any cluster work: the record of the run `run_id` resumes (None for a new run),
+    resumable under `cfg`, its latest checkpoint sound and of an allowed task; the checkpoint a
+    run starts from, likewise; the storage root writable."""
     previous = registry.read(registry.runs_root(cfg.storage_path()) / run_id) if run_id else None
     if previous:
         if reason := run_admin.collected_reason(previous):
@@ -186,15 +208,30 @@ def fit(
         checkpoint.checked_task(init_checkpoint, [cfg.task, *allow_task])
         check_resumable(checkpoint.read_meta(init_checkpoint)["config"], cfg)
     registry.check_writable(registry.runs_root(cfg.storage_path()))
-    cluster.connect(verbose=verbose, num_cpus=ingest.cpus_to_start(cfg))
-    times["connected"] = time.time()
-    run_data = ingest.prepare(cfg, shared=data)
-    train_rows = run_data.train_rows
-    if train_rows < cfg.scaling.max_workers:
-        raise ValueError(
-            f"{train_rows} training samples cannot feed {cfg.scaling.max_workers} workers"
-        )
+    return previous, init_checkpoint
 
+
+@dataclass
+class _OpenRun:
+    """A run as recorded when it starts: its id and directory, its record, its trackers."""
+
+    run_id: str
+    run_dir: Path
+    record: dict[str, Any]
+    tracked: Any  # tracking.open_run's
+
+
+def _open_run(
+    cfg: RunConfig,
+    run_id: str | None,
+    previous: dict | None,
+    init_checkpoint: str | None,
+    labels: dict[str, Any] | None,
+    started: float,
+    out: TextIO | None,
+) -> _OpenRun:
+    """The run's directory and its "running" record (a resumed run keeps its id), its
+    trackers opened; the first console line."""
     resuming = run_id is not None
     run_id = run_id or new_run_id(cfg.name)
     run_dir = registry.runs_root(cfg.storage_path()) / run_id
@@ -222,24 +259,27 @@ def fit(
             f"run {run_id}: {cfg.task} ({cfg.size}) on {cfg.scaling.describe()}, "
             f"{cfg.parallel.strategy}\n"
         )
+    return _OpenRun(run_id, run_dir, record, tracked)
 
-    # The failure clock stamps worker-group restarts: the efficiency report's start-up.
-    callbacks = [*(callbacks or []), failure_clock(run_dir), *tracked.callbacks]
-    trainer = build_trainer(cfg, run_id, run_data, callbacks, init_checkpoint)
+
+def _run(cfg: RunConfig, opened: _OpenRun, trainer: Any, out: TextIO | None, times: dict):
+    """`trainer.fit()`, followed on the console and watched by the doctor; a failure recorded
+    (and explained, where relay knows why: the memory wall, workers never placed) and raised."""
+    run_id, run_dir = opened.run_id, opened.run_dir
     try:
         with (
             # First: `wait_s` is bound whatever fails after it.
             cluster.worker_wait(cfg.failure.worker_wait_s) as wait_s,
             cluster.run_ends_with_fit(),
-            console.follow(run_dir, cfg.epochs, out, also=tracked.announce),
+            console.follow(run_dir, cfg.epochs, out, also=opened.tracked.announce),
             doctor.watching(cfg.doctor, run_dir, out),
         ):
             times["fit_called"] = time.time()
-            result = trainer.fit()
+            return trainer.fit()
     except BaseException as exc:
         explained = _memory_wall(cfg, run_id, exc) or _not_placed(cfg, run_id, exc, wait_s)
-        _record_failure(run_dir, record, explained or exc)
-        tracked.close("FAILED" if isinstance(exc, Exception) else "KILLED")
+        _record_failure(run_dir, opened.record, explained or exc)
+        opened.tracked.close("FAILED" if isinstance(exc, Exception) else "KILLED")
         if explained:
             raise explained from exc
         raise
@@ -247,6 +287,21 @@ def fit(
         if cfg.scaling.memory_per_worker:  # once Ray has ended the worker processes in them
             worker_memory.release(run_id, cfg.scaling.max_workers)
 
+
+def _finish(
+    cfg: RunConfig,
+    opened: _OpenRun,
+    result: Any,
+    times: dict,
+    *,
+    register: bool,
+    model_name: str | None,
+    out: TextIO | None,
+) -> RunResult:
+    """The run's result from Ray Train's, its efficiency report, its best checkpoint registered
+    as a model version (with `register`), the "finished" record, the last console lines."""
+    run_id, run_dir, record, tracked = opened.run_id, opened.run_dir, opened.record, opened.tracked
+    started = times["started"]
     run = _run_result(cfg, run_id, run_dir, result)
     run.memory = (result.return_value or {}).get("memory_limit")
     trained = [e for e in history.read_raw(run_dir) if e["time"] >= started]  # by this call
