@@ -70,7 +70,7 @@ MIN_REQUESTS = 1_000
 MODELS = ("digits", "charlm", "regression")
 DETERMINISTIC = ("digits", "regression")  # charlm samples: its outputs are not compared
 TIMEOUT = 60  # seconds per HTTP call: a wedged server fails the test instead of hanging it
-# Paths about one model (relay/serving/app.py's MODEL_PATH), and the one non-JSON route.
+# Paths about one model (relay/serving/routes.py's MODEL_PATH), and the one non-JSON route.
 MODEL_PATH = re.compile(r"^/v[12]/models/([^/:]+)")
 NOT_JSON = {"/metrics"}
 
