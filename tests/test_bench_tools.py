@@ -28,18 +28,12 @@ def test_a_missing_tool_is_named_with_its_package_before_any_bench_runs(tmp_path
     assert (REPO / "bench" / "results.jsonl").read_bytes() == results  # nothing ran
 
 
-def test_a_tool_on_the_path_passes_the_check(tmp_path):
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import run_all
-    finally:
-        sys.path.remove(str(REPO / "bench"))
+def test_a_tool_on_the_path_passes_the_check(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import run_all
+
     fake = tmp_path / "wrk"
     fake.write_text("#!/bin/sh\n")
     fake.chmod(0o755)
-    saved = os.environ["PATH"]
-    os.environ["PATH"] = f"{tmp_path}{os.pathsep}{saved}"
-    try:
-        assert run_all.missing_tools(["serve_load", "train_overhead"]) == {}
-    finally:
-        os.environ["PATH"] = saved
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert run_all.missing_tools(["serve_load", "train_overhead"]) == {}
