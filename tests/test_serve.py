@@ -160,6 +160,7 @@ class Load:
 
     def __init__(self, base: str, clients: int = 4) -> None:
         self.base, self.answers, self.stop = base, [], threading.Event()
+        self.errors: list[str] = []  # each exception's text, for a failure's message
         self.threads = [threading.Thread(target=self.client) for _ in range(clients)]
 
     def client(self) -> None:
@@ -176,6 +177,7 @@ class Load:
                     self.answers.append((sent, response.status_code, version))
                 except requests.RequestException as exc:
                     self.answers.append((sent, type(exc).__name__, None))
+                    self.errors.append(f"{sent:.2f}: {exc!r}"[:300])
 
     def __enter__(self) -> Load:
         for thread in self.threads:

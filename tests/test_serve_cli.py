@@ -366,7 +366,7 @@ def test_killed_replicas_of_two_fail_no_request(haproxy_server, storage):
     answers = load.answers
     failed = [(round(sent - kills[0], 2), status) for sent, status, _ in answers if status != 200]
     around = [round(k - kills[0], 2) for k in kills]
-    assert not failed, (failed, len(answers), around, load.timeline())
+    assert not failed, (failed, load.errors, len(answers), around, load.timeline())
     assert_still_serving(base, storage)
 
 

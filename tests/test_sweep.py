@@ -308,6 +308,46 @@ def test_placement_groups_of_dead_actors_are_released(ray_cluster):
         remove_placement_group(mine)
 
 
+def test_train_controllers_a_sweep_leaves_alive_are_ended_and_their_groups_released(ray_cluster):
+    """A Train controller that outlives its sweep (one whose trial actor died while Ray was
+    creating it) is killed once the sweep has returned, and its worker group released; one alive
+    before the sweep began is another run's and is left alone. Stand-ins with Train's actor class
+    name, so that the test can make one outlive its block at will."""
+    import ray
+
+    from relay.runtime import ray_private
+
+    class TrainController:
+        def reserve(self) -> str:
+            from ray.util.placement_group import placement_group
+
+            self.group = placement_group([{"CPU": 1}])
+            ray.get(self.group.ready())
+            return self.group.id.hex()
+
+        def release(self) -> None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.group)
+
+    # Ray names an actor class by its qualified name: this one's must be Train's.
+    TrainController.__qualname__ = "TrainController"
+    controller = ray.remote(num_cpus=0)(TrainController)
+    before = controller.remote()
+    kept = ray.get(before.reserve.remote())
+    try:
+        with ray_private.reclaiming_orphans(interval_s=0.5, settle_s=30, grace_s=1):
+            stray = controller.remote()
+            made = ray.get(stray.reserve.remote())
+        groups = ray.util.placement_group_table()
+        assert groups[made]["state"] == "REMOVED" and groups[kept]["state"] == "CREATED"
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(stray.reserve.remote(), timeout=30)
+        ray.get(before.release.remote(), timeout=30)  # alive still
+    finally:
+        ray.kill(before)
+
+
 def test_sweep_config_errors_name_the_field():
     base = yaml.safe_load((REPO / "jobs/configs/digits-sweep.yaml").read_text())
     base["train"] = yaml.safe_load((REPO / "jobs/configs/digits.yaml").read_text())

@@ -28,6 +28,7 @@ RAY_VERSION = "2.60.0"
 PRIVATE_NAMES = {
     "ray._common.constants": ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR"],
     "ray._private.state": ["state"],
+    "ray._private.worker": ["global_worker"],
     "ray._raylet": ["PlacementGroupID"],
     "ray.core.generated": ["gcs_pb2"],
     "ray.train.v2._internal.constants": [
@@ -93,14 +94,17 @@ def _live(pg) -> bool:
 
 def _settled(job, others: set[str]) -> bool:
     """No Train controller of `job` alive but `others`, and no group made by one of its
-    actors live.
+    actors live (but by `others`).
 
     PENDING groups count: a dead trial's pending group would be created (and hold its
     CPUs) as soon as the ending trials free them. Only this job's are waited for; another
     job's on a shared cluster are none of its doing.
     """
     if any(
-        _made_by_actor(pg) and _live(pg) and pg.creator_job_id == job.binary()
+        _made_by_actor(pg)
+        and _live(pg)
+        and pg.creator_job_id == job.binary()
+        and pg.creator_actor_id.hex() not in others
         for pg in _placement_groups()
     ):
         return False
@@ -169,7 +173,9 @@ def release_orphaned_placement_groups() -> list[str]:
 
 
 @contextmanager
-def reclaiming_orphans(interval_s: float = 2.0, settle_s: float = 60.0) -> Iterator[None]:
+def reclaiming_orphans(
+    interval_s: float = 2.0, settle_s: float = 60.0, grace_s: float = 10.0
+) -> Iterator[None]:
     """Release orphaned placement groups every `interval_s` while the block runs, and at its
     end until this job has no Train controller alive but those alive before the block, and no
     group made by an actor left (at most `settle_s`).
@@ -178,6 +184,12 @@ def reclaiming_orphans(interval_s: float = 2.0, settle_s: float = 60.0) -> Itera
     stopped trial's controller dies only when Ray propagates its owner's death. Until then
     its group is no orphan yet, and a controller still alive may even request a new group
     (a sweep's CI run was left with a PENDING one after a 10 s wait for groups alone).
+
+    A controller the block started that is still alive `grace_s` after it is killed: once
+    Tune has returned no trial is left to report to it. (A controller whose creation was
+    under way when its trial actor died can come alive without an owner and then holds its
+    worker group for as long as the job runs; a CI run was left with one CREATED group after
+    the whole settle wait.)
     """
     job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
     # Controllers alive before the block are another run's of this process, not the block's.
@@ -186,12 +198,25 @@ def reclaiming_orphans(interval_s: float = 2.0, settle_s: float = 60.0) -> Itera
         with background.every(interval_s, release_orphaned_placement_groups, "relay-pg-reclaim"):
             yield
     finally:
-        deadline = time.monotonic() + settle_s
-        while time.monotonic() < deadline:
+        start = time.monotonic()
+        killed: set[str] = set()
+        while time.monotonic() < start + settle_s:
             release_orphaned_placement_groups()
             if _settled(job, others):
                 break
+            if time.monotonic() > start + grace_s:
+                stray = alive_actor_ids("TrainController", job, not_dead=True) - others - killed
+                killed |= {_kill(actor_id) for actor_id in stray}
             time.sleep(0.5)
+
+
+def _kill(actor_id: str) -> str:
+    """Kill the actor `actor_id` (hex), for good. Private: Ray's public `ray.kill` takes a
+    handle, and a Train controller has no name to get one by."""
+    from ray._private.worker import global_worker
+
+    global_worker.core_worker.kill_actor(ray.ActorID.from_hex(actor_id), True)
+    return actor_id
 
 
 def with_serve_version(deployment, version: str):
