@@ -129,16 +129,16 @@ def busy_text(cores: float | None) -> str:
 
 
 def fit_watched(cfg_dict: dict[str, Any], show_progress: bool, training: tuple[bytes, ...] = ()):
-    """`relay.training.trainer.fit` of a config dict, watched: (result, wall seconds, the watcher:
+    """`relay.training.driver.fit` of a config dict, watched: (result, wall seconds, the watcher:
     its
     `cores` are others', `between` splits the bench's own with `training`)."""
     import relay.config
-    import relay.training.trainer
+    import relay.training.driver
 
     cfg = relay.config.from_dict(cfg_dict)
     called = time.perf_counter()
     with ForeignCPU(training=training) as others:
-        result = relay.training.trainer.fit(
+        result = relay.training.driver.fit(
             cfg, register=False, out=sys.stderr if show_progress else None
         )
     wall_s = time.perf_counter() - called

@@ -2,7 +2,7 @@
 
 How fast data reaches 2 trainer workers, three ways, in one run, over the same rows:
 
-- `ray_data`: relay's file ingest (relay/training/sources.py → `TorchTrainer(datasets=)` →
+- `ray_data`: relay's file ingest (relay/training/data/sources.py → `TorchTrainer(datasets=)` →
   `data.ShardBatches`, streaming): Parquet files of text lines, tokenised on Ray Data's tasks
   by charlm's `preprocess` (lines packed into windows of block_size + 1 bytes);
 - `in_memory`: the same windows, tokenised up front, through relay's object-store ingest
@@ -45,8 +45,9 @@ from rounds import alternated_sides
 from relay.config import RunConfig, from_dict
 from relay.runtime import cluster
 from relay.tasks import build_task
-from relay.training import ingest, trainer
-from relay.training.data import SHUFFLE_BUFFER_BATCHES
+from relay.training import driver
+from relay.training.data import ingest
+from relay.training.data.raydata import SHUFFLE_BUFFER_BATCHES
 
 SIDES = ("ray_data", "in_memory", "dataloader")
 FILES = 8
@@ -98,7 +99,7 @@ def _deliver(loop_config: dict) -> list[dict] | None:
     seconds and rows per epoch."""
     import torch.distributed as dist
 
-    from relay.training import ingest as worker_ingest
+    from relay.training.data import ingest as worker_ingest
 
     batches = worker_ingest.open_batches(
         loop_config["data"],
@@ -273,7 +274,7 @@ def main() -> int:
         # A real run: validation is a fifth of the lines, by a hash of each line.
         run["data"] = {"format": "parquet", "path": str(corpus), "val_fraction": 0.2}
         train = from_dict({**run, "storage": str(Path(tmp) / "relay")})
-        result = trainer.fit(train, out=None, register=False)
+        result = driver.fit(train, out=None, register=False)
     idle = [e["input_wait_share"] for e in result.history[1:]]
     sides = {side: spread(values) for side, values in rates.items()}
     figures = {

@@ -9,7 +9,7 @@ fp32 weights, gradients and Adam moments take ~963 MiB per whole replica — the
 memory-wall test (tests/test_memory_wall.py), where a 512 MiB limit per worker stops ddp and
 not fsdp on 4 workers.
 
-Part 1, runs: one `relay.training.trainer.fit` per (strategy, workers) — 2 workers with 1 CPU each,
+Part 1, runs: one `relay.training.driver.fit` per (strategy, workers) — 2 workers with 1 CPU each,
 4
 with 0.5 — of 1 epoch at batch 64, each worker under `scaling.memory_per_worker: 4GiB` (far
 above what any of them needs: it is there so every run takes the same code path, including

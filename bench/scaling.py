@@ -4,7 +4,7 @@
 Data-parallel scaling of one training config from 1 to 2 CPU workers, relay next to plain
 torchrun, in one run.
 
-Method: the same config is trained at 1 and 2 workers by relay (`relay.training.trainer.fit`, one
+Method: the same config is trained at 1 and 2 workers by relay (`relay.training.driver.fit`, one
 embedded Ray cluster, one temporary storage dir) and by plain torchrun (bench/torchrun_ddp.py
 at 1 and 2 processes, launched by bench/torchrun.py), in one bench run. The torchrun side runs
 relay's own epoch code (`relay.training.epochs.Epochs` over `relay.parallel.Engine`, same DDP

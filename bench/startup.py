@@ -10,7 +10,7 @@ Train run after `ray.init` pays for cold caches), runs in this order:
 
   floor   a bare `TorchTrainer` with the same workers and resources per worker as relay's run,
           whose loop only reports once (no data, no model): `fit()` → the loop's first line.
-  run     `relay.training.trainer.fit` of a small task (digits, debug size, 1 epoch): `fit()` → the
+  run     `relay.training.driver.fit` of a small task (digits, debug size, 1 epoch): `fit()` → the
   end
           of the first training step (the efficiency report's `startup.total_s`, which starts
           when relay's fit() starts: connect, prepare, worker group, model and data, first step).
@@ -182,10 +182,10 @@ def task_settings(workers: int, storage: Path) -> dict:
 def relay_run(workers: int, storage: Path) -> dict:
     import relay.config
     from relay.records import registry
-    from relay.training import trainer
+    from relay.training import driver
 
     cfg = relay.config.from_dict(task_settings(workers, storage))
-    result = trainer.fit(cfg, out=None, register=False, callbacks=[Marks()])
+    result = driver.fit(cfg, out=None, register=False, callbacks=[Marks()])
     record = registry.get_run(storage, result.run_id)
     return relay_parts(record, read_marks(Path(os.environ[MARKS_ENV]), result.run_id))
 

@@ -4,7 +4,7 @@ Memory and speed of relay's parallel strategies (ddp, zero1, fsdp), each in fp32
 same 2-worker charlm run: 6 runs in one benchmark, on one embedded Ray cluster.
 
 Method: one config, changed only in `parallel.strategy` and `parallel.mixed_precision`, trained
-with `relay.training.trainer.fit` (2 workers, each reserving one CPU and running one intra-op
+with `relay.training.driver.fit` (2 workers, each reserving one CPU and running one intra-op
 thread; same
 seed, data split, per-worker batch and epochs). Every figure is read from the run itself: its
 history (per-epoch samples/s, final validation loss) and relay's efficiency report (measured on

@@ -3,7 +3,7 @@
 .venv/bin/torchrun --nnodes 1 --nproc_per_node N --master_addr 127.0.0.1 --master_port PORT \
     bench/torchrun_ddp.py --config '<RunConfig as JSON>' --out timings.json
 
-Each process runs what one relay Train worker runs (relay/training/loop.py's
+Each process runs what one relay Train worker runs (relay/training/worker_loop.py's
 `train_loop_per_worker`),
 by importing the same code rather than restating it: `relay.parallel.Engine` (the same
 strategy wrapping, DDP options, precision, gradient accumulation and clipping),

@@ -23,7 +23,7 @@ PROBE = """
 import json, sys
 import relay
 try:
-    getattr(relay, sys.argv[1])(json.loads(sys.argv[2]))
+    getattr(relay, sys.argv[1])(*json.loads(sys.argv[2]), **json.loads(sys.argv[3]))
     raised = None
 except Exception as exc:
     raised = f"{type(exc).__name__}: {exc}"
@@ -31,9 +31,9 @@ print(json.dumps({"raised": raised, "ray": "ray" in sys.modules}))
 """
 
 
-def call(function: str, argument: dict) -> dict:
+def call(function: str, *args, **kwargs) -> dict:
     done = subprocess.run(
-        [sys.executable, "-c", PROBE, function, json.dumps(argument)],
+        [sys.executable, "-c", PROBE, function, json.dumps(args), json.dumps(kwargs)],
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -53,8 +53,23 @@ def test_a_bad_config_is_refused_naming_its_field_before_ray(function, argument,
     assert result["ray"] is False, result
 
 
+@pytest.mark.parametrize(
+    ("args", "kwargs", "field"),
+    [
+        (["digits:best"], {"replicas": 0}, "replicas"),
+        (["digits:best"], {"colour": "blue"}, "colour"),
+        ("digits:best", {}, "refs"),
+        ([], {}, "refs"),
+    ],
+)
+def test_serve_refuses_a_bad_option_naming_it_before_ray(args, kwargs, field):
+    result = call("serve", args, **kwargs)
+    assert result["raised"] and result["raised"].startswith(f"ConfigError: {field}:"), result
+    assert result["ray"] is False, result
+
+
 def test_the_api_names_its_functions():
     import relay
 
-    assert {"train", "tune", "load_config", "load_sweep_config"} <= set(relay.__all__)
+    assert {"train", "tune", "serve", "load_config", "load_sweep_config"} <= set(relay.__all__)
     assert all(callable(getattr(relay, name)) for name in relay.__all__ if name != "__version__")

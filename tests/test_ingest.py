@@ -1,4 +1,4 @@
-"""The object-store ingest (relay/training/ingest.py) on the shared local Ray cluster: a run's
+"""The object-store ingest (relay/training/data/ingest.py) on the shared local Ray cluster: a run's
 in-memory
 data reaches every rank without a Ray Data SplitCoordinator, and every rank gets its exact rows.
 """
@@ -17,7 +17,7 @@ import relay
 from relay.config import from_dict
 from relay.tasks import build_task
 from relay.tasks.base import Split
-from relay.training import ingest, sources
+from relay.training.data import ingest, sources
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -195,7 +195,7 @@ def test_in_memory_data_starts_no_split_coordinator_streaming_does(ray_cluster, 
     assert (len(started["SplitCoordinator"]), len(started["DatasetManager"])) == (2, 1), started
 
 
-# --- data from files (relay/training/sources.py) --------------------------------------------------
+# --- data from files (relay/training/data/sources.py) ---------------------------------------
 
 
 def _write_parquet(directory, ids: np.ndarray, files: int) -> None:

@@ -33,7 +33,7 @@ DRIVER = textwrap.dedent(
 
     import relay
     # imported up front
-    import relay.training.trainer, relay.training.sources, ray.data, ray.train.torch, torch
+    import relay.training.driver, relay.training.data.sources, ray.data, ray.train.torch, torch
     from relay.config import from_dict
 
     config, store_bytes = json.loads(sys.argv[1]), int(sys.argv[2])

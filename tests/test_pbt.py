@@ -140,7 +140,7 @@ def test_a_copied_optimizer_trains_with_the_new_configs_hyperparameters():
     """torch's load_state_dict brings the saving run's lr and weight decay along; relay's loop
     puts the trial's own back before the schedule sets the lr."""
     from relay.config import RunConfig
-    from relay.training.loop import _config_hyperparameters_win
+    from relay.training.worker_loop import _config_hyperparameters_win
 
     model = torch.nn.Linear(3, 2)
     donor = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.0)

@@ -210,6 +210,29 @@ class Load:
 # --- the happy path ----------------------------------------------------------------------------
 
 
+def test_the_python_api_serves_until_stopped(ray_cluster, storage):
+    """`relay.serve` on the connected cluster: it returns once the model answers, the answers
+    are the model's, and `stop()` removes the app (the cluster is this process's, so it stays).
+    Before any test of this module starts Serve: this one starts it on a port of its own."""
+    from ray import serve
+
+    import relay
+
+    try:
+        with relay.serve(["digits:best"], port=free_port(), storage=str(storage)) as served:
+            assert served.models == ["digits"] and served.own_cluster is False
+            response = predict(served.url, {"instances": images(2)})
+            assert response.status_code == 200, response.text
+            assert_matches(
+                response.json()["predictions"],
+                offline_predictions(storage, "digits:best", images(2)),
+            )
+        assert "relay" not in serve.status().applications
+        assert ray_cluster.is_initialized()
+    finally:
+        serve.shutdown()  # the module's own endpoint starts Serve on another port
+
+
 def test_predictions_match_the_model_run_offline(base_url, storage):
     batch = images(5)
     as_rows = [[image[r * 8 : r * 8 + 8] for r in range(8)] for image in batch[:2]]

@@ -1,6 +1,5 @@
-"""Data from files, the parts that run inside Ray Data's tasks (relay/training/sources.py), without
-a
-cluster: the hash split, the column mapping and the tasks' `preprocess`."""
+"""Data from files, the parts that run inside Ray Data's tasks (relay/training/data/sources.py),
+without a cluster: the hash split, the column mapping and the tasks' `preprocess`."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import pytest
 
 from relay.config import ConfigError, from_dict
 from relay.tasks import build_task
-from relay.training import sources
+from relay.training.data import sources
 
 pytestmark = pytest.mark.timeout(60)
 

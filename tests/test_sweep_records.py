@@ -39,7 +39,7 @@ def write_spec(storage: Path, sweep_id: str) -> Path:
 def write_run(
     storage: Path, run_id: str, status: str, accuracies: list[float], labels: dict | None = None
 ) -> Path:
-    """A Train run's record (as `trainer.fit` writes it) and its per-epoch history."""
+    """A Train run's record (as `driver.fit` writes it) and its per-epoch history."""
     run_dir = registry.runs_root(storage) / run_id
     run_dir.mkdir(parents=True)
     record = {

@@ -14,7 +14,7 @@ from relay.config import from_dict
 from relay.records import registry
 from relay.runtime import ray_private
 from relay.tasks import BUILTIN, build_task
-from relay.training.trainer import WorkersNotPlaced
+from relay.training.driver import WorkersNotPlaced
 
 pytestmark = pytest.mark.timeout(300)
 

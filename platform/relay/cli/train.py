@@ -94,7 +94,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from relay.records import registry
     from relay.records.run_admin import collected_reason
     from relay.tasks import UntrustedTask
-    from relay.training.trainer import check_resumable, fit  # imports Ray: only with a good config
+    from relay.training.driver import check_resumable, fit  # imports Ray: only with a good config
 
     run_id = None
     if args.resume:
@@ -146,9 +146,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:
         return fail(f"--workers must be >= 1, got {args.workers}", EXIT_USAGE)
     cfg = config_mod.load(args.config, args.overrides)
-    from relay.training import (
-        plan,  # imports Ray's train module: only once the config is known to be good
-    )
+    # Imports Ray's train module: only once the config is known to be good.
+    from relay.training import plan
 
     if args.device_memory is None:
         memory, source = plan.default_device_memory()

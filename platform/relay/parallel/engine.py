@@ -70,7 +70,7 @@ class Engine:
         if cfg.compile:
             compile_model(model)
         self._dtype = PRECISION_DTYPES[cfg.mixed_precision]
-        built_on_meta = on_meta(model)  # fsdp's meta init (loop.py decides)
+        built_on_meta = on_meta(model)  # fsdp's meta init (worker_loop.py decides)
         self.model = self.strategy.wrap(model, self.device, cfg, self._dtype)
         if built_on_meta:
             self.strategy.materialise(self.model, self.device)

@@ -256,7 +256,7 @@ def _last_write(sweep_dir: Path, run_dirs: list[Path]) -> float:
     return max((p.stat().st_mtime for p in paths if p.exists()), default=0.0)
 
 
-_ID_TIME = re.compile(r"-(\d{8}-\d{6})-[0-9a-f]{4}$")  # trainer.new_run_id's stamp
+_ID_TIME = re.compile(r"-(\d{8}-\d{6})-[0-9a-f]{4}$")  # driver.new_run_id's stamp
 
 
 def _started_at(sweep_id: str, spec_path: Path) -> str:

@@ -45,7 +45,7 @@ PRIVATE_MEMBERS = {
     "ray.train.torch:TorchTrainer": ["_create_default_callbacks", "_initialize_and_run_controller"],
     "ray.tune.schedulers:PopulationBasedTraining": ["_checkpoint_or_exploit"],
 }
-# Ray Data's Parquet planner logs through this logger (relay/training/sources.py quiets it).
+# Ray Data's Parquet planner logs through this logger (relay/training/data/sources.py quiets it).
 PARQUET_PLANNER_LOGGER = "ray.data._internal.datasource.parquet_datasource"
 
 
@@ -242,8 +242,8 @@ def torch_trainer(*, out_of_memory_ends: tuple[str, int] | None = None, **kwargs
     - A run with no Ray Datasets starts no DatasetManager. Ray's DatasetsCallback creates that
       actor, one more Python process importing Ray Data (~1.3 s of CPU), for every worker group
       even when `datasets` is empty, beside the workers' own start-up on the same cores. relay's
-      in-memory ingest hands the workers object references instead (relay/training/ingest.py); a run
-      with Ray Data ingest keeps the callback as Ray has it.
+      in-memory ingest hands the workers object references instead
+      (relay/training/data/ingest.py); a run with Ray Data ingest keeps the callback as Ray has it.
     - With `out_of_memory_ends` (run id, ranks) a worker group that ran out of memory under
       `scaling.memory_per_worker` ends the run at once instead of restarting up to
       `failure.max_failures` times: the same model on the same ranks meets the same wall on

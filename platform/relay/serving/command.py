@@ -145,7 +145,7 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _port_taken(host: str, port: int) -> str | None:
+def port_taken(host: str, port: int) -> str | None:
     """Why Serve could not listen on host:port, found out before Ray starts; None if it can."""
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
@@ -193,7 +193,7 @@ def _app_args(refs: list[str], options: dict[str, Any]):
         return None, f"{flag}: {item['msg'].removeprefix('Value error, ')}"
 
 
-def _resolve(app_args, allow_task: list[str]) -> tuple[list, str | None]:
+def resolve(app_args, allow_task: list[str]) -> tuple[list, str | None]:
     from relay.serving.app import resolve_models
 
     try:
@@ -208,23 +208,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app_args, problem = _app_args(args.refs, options)
     if problem:
         return _fail(problem, EXIT_USAGE)
-    models, problem = _resolve(app_args, args.allow_task)
+    models, problem = resolve(app_args, args.allow_task)
     if problem:
         return _fail(problem, EXIT_USAGE)
     if args.address:
         os.environ["RAY_ADDRESS"] = args.address
-    import ray
-
     # Our own embedded cluster goes away with us; on a shared one we only remove our app.
-    own_cluster = not ray.is_initialized() and os.environ.get("RAY_ADDRESS", "local") == "local"
-    if own_cluster and (reason := _port_taken(args.host, args.port)):
+    own_cluster = own_cluster_wanted()
+    if own_cluster and (reason := port_taken(args.host, args.port)):
         return _fail(f"cannot listen on {args.host}:{args.port}: {reason}", EXIT_USAGE)
 
-    from ray import serve
-
     from relay.runtime import cluster
-    from relay.serving.app import build
-    from relay.tasks import resolve_task_class
 
     setup = None
     if own_cluster:  # read by the cluster's processes as they start
@@ -236,43 +230,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cluster.connect(verbose=args.verbose)
         # After ray.init, which installs a SIGTERM handler of its own (it exits at once).
         previous_handlers = _stop_on_signals()
-        serve.start(
-            http_options={"host": args.host, "port": args.port},
-            logging_config={"enable_access_log": app_args.access_log},
-        )
-        # Named explicitly (what Serve would default to) and recorded for relay deploy.
-        runtime_env = dict(ray.get_runtime_context().runtime_env)
-        serve.run(build(models, app_args, runtime_env), name=APP_NAME, route_prefix="/")
-        base = f"http://{args.host}:{args.port}"
-        for info in models:
-            ingress.wait_until_answering(f"{base}/v1/models/{info.name}")
-        running = ingress.running_ingress()
-        here = endpoint.Endpoint(
-            host=args.host,
-            port=args.port,
-            address=ray.get_runtime_context().gcs_address,
-            app_name=APP_NAME,
-            pid=os.getpid(),
-            pid_start=endpoint.process_start_time(os.getpid()),
-            args=app_args.model_dump(mode="json"),
-            auth_mode=os.environ.get("RAY_AUTH_MODE"),
-            runtime_env=runtime_env,
-        )
-        endpoint.write(app_args.storage, here)
+        base, runtime_env = start_app(models, app_args, args.host, args.port)
+        _record(args, app_args, runtime_env)
         recorded = True
-        for info in models:
-            print(f"serving {info.reference} (task {info.task}) at {base}/v1/models/{info.name}")
-        print(f"ingress: {running} ({ingress.DESCRIPTIONS[running]})")
-        if args.ingress and args.ingress != running:
-            print(
-                f"relay: --ingress {args.ingress} ignored: the cluster at "
-                f"{os.environ['RAY_ADDRESS']} runs {running} (chosen when it started)",
-                file=sys.stderr,
-            )
-        print(f"API docs: {base}/docs   metrics: {base}/metrics   stop: Ctrl-C")
-        first = models[0]
-        print(_example_curl(base, first.name, resolve_task_class(first.task).Instance))
-        print(f"new version: relay deploy {first.name}:N --port {args.port}", flush=True)
+        _say_where(args, models, base)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -288,6 +249,78 @@ def cmd_serve(args: argparse.Namespace) -> int:
             setup.remove()
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
+
+
+def start_app(models: list, app_args, host: str, port: int) -> tuple[str, dict[str, Any]]:
+    """Serve, bound to host:port, running relay's app for `models` (resolved) on the connected
+    cluster; returns (its base URL, the app's runtime_env) once every model answers."""
+    import ray
+    from ray import serve
+
+    from relay.serving.app import build
+
+    serve.start(
+        http_options={"host": host, "port": port},
+        logging_config={"enable_access_log": app_args.access_log},
+    )
+    # Named explicitly (what Serve would default to) and recorded for relay deploy.
+    runtime_env = dict(ray.get_runtime_context().runtime_env)
+    serve.run(build(models, app_args, runtime_env), name=APP_NAME, route_prefix="/")
+    base = f"http://{host}:{port}"
+    for info in models:
+        ingress.wait_until_answering(f"{base}/v1/models/{info.name}")
+    return base, runtime_env
+
+
+def own_cluster_wanted() -> bool:
+    """Whether serving starts a cluster of its own (which goes away with it) rather than using
+    the one this process is connected to or RAY_ADDRESS names."""
+    import ray
+
+    return not ray.is_initialized() and os.environ.get("RAY_ADDRESS", "local") == "local"
+
+
+def take_down(own_cluster: bool) -> None:
+    """The app gone; with it the cluster, if serving started it."""
+    _take_down(APP_NAME, own_cluster)
+
+
+def _record(args: argparse.Namespace, app_args, runtime_env: dict[str, Any]) -> None:
+    """This server's endpoint file, which `relay deploy` reads (serving/endpoint.py)."""
+    import ray
+
+    here = endpoint.Endpoint(
+        host=args.host,
+        port=args.port,
+        address=ray.get_runtime_context().gcs_address,
+        app_name=APP_NAME,
+        pid=os.getpid(),
+        pid_start=endpoint.process_start_time(os.getpid()),
+        args=app_args.model_dump(mode="json"),
+        auth_mode=os.environ.get("RAY_AUTH_MODE"),
+        runtime_env=runtime_env,
+    )
+    endpoint.write(app_args.storage, here)
+
+
+def _say_where(args: argparse.Namespace, models, base: str) -> None:
+    """What is served where, through which ingress, and how to call it."""
+    from relay.tasks import resolve_task_class
+
+    running = ingress.running_ingress()
+    for info in models:
+        print(f"serving {info.reference} (task {info.task}) at {base}/v1/models/{info.name}")
+    print(f"ingress: {running} ({ingress.DESCRIPTIONS[running]})")
+    if args.ingress and args.ingress != running:
+        print(
+            f"relay: --ingress {args.ingress} ignored: the cluster at "
+            f"{os.environ['RAY_ADDRESS']} runs {running} (chosen when it started)",
+            file=sys.stderr,
+        )
+    print(f"API docs: {base}/docs   metrics: {base}/metrics   stop: Ctrl-C")
+    first = models[0]
+    print(_example_curl(base, first.name, resolve_task_class(first.task).Instance))
+    print(f"new version: relay deploy {first.name}:N --port {args.port}", flush=True)
 
 
 def _get_json(url: str) -> dict[str, Any]:
@@ -318,7 +351,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if problem:
         return _fail(problem, EXIT_USAGE)
     new_args.storage = served_args.storage
-    new, problem = _resolve(new_args, args.allow_task)
+    new, problem = resolve(new_args, args.allow_task)
     if problem:
         return _fail(problem, EXIT_USAGE)
     with endpoint.changing(args.storage, args.host, args.port):

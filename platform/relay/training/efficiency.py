@@ -231,7 +231,40 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
     world = len(ranks)
     steady = epochs.steady()
     samples_per_s = steady["samples"] / steady["seconds"]
+    return {
+        "report_version": REPORT_VERSION,
+        "workers": world,
+        "strategy": cfg.parallel.strategy,
+        "mixed_precision": cfg.parallel.mixed_precision,
+        "grad_accum": cfg.parallel.grad_accum,
+        "throughput": _throughput(task, steady, world),
+        "step": _step(cfg, steady, ranks),
+        "flops": _flops(ranks, flops_per_sample * samples_per_s, flops_per_sample, dtype),
+        "memory": _memory(ranks, memory_kind),
+    }
+
+
+def _throughput(task, steady: dict[str, Any], world: int) -> dict[str, Any]:
+    samples_per_s = steady["samples"] / steady["seconds"]
     units_per_s = steady["units"] / steady["seconds"]
+    return {
+        # Over the training passes of the epochs counted (the first is left out as warm-up
+        # when there are more); validation and checkpoints are not counted.
+        "samples": steady["samples"],
+        "train_s": steady["seconds"],
+        "epochs_counted": steady["passes"],
+        "warmup_excluded": steady["warmup_excluded"],
+        "samples_per_s": samples_per_s,
+        "samples_per_s_per_worker": samples_per_s / world,
+        "unit": task.throughput_unit,
+        "units_per_s": units_per_s,
+        "units_per_s_per_worker": units_per_s / world,
+    }
+
+
+def _step(cfg, steady: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """An optimizer step's time split into compute, gradient communication and the rest."""
+    world = len(ranks)
     step_s = steady["seconds"] / steady["steps"]
     synced_s = _mean([r["synced_step_s"] for r in ranks])
     comm_measured = all(r["local_step_s"] is not None for r in ranks)
@@ -241,85 +274,67 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
     mean_micro_batch = steady["samples"] / world / steady["steps"] / cfg.parallel.grad_accum
     compute_s = local_s * cfg.parallel.grad_accum * mean_micro_batch / ranks[0]["probe_samples"]
     comm_s = max(0.0, synced_s - local_s) if world > 1 else 0.0
-    peak_total = sum(r["matmul_peak_flops"] for r in ranks)
-    achieved = flops_per_sample * samples_per_s
     return {
-        "report_version": REPORT_VERSION,
-        "workers": world,
-        "strategy": cfg.parallel.strategy,
-        "mixed_precision": cfg.parallel.mixed_precision,
-        "grad_accum": cfg.parallel.grad_accum,
-        "throughput": {
-            # Over the training passes of the epochs counted (the first is left out as
-            # warm-up when there are more); validation and checkpoints are not counted.
-            "samples": steady["samples"],
-            "train_s": steady["seconds"],
-            "epochs_counted": steady["passes"],
-            "warmup_excluded": steady["warmup_excluded"],
-            "samples_per_s": samples_per_s,
-            "samples_per_s_per_worker": samples_per_s / world,
-            "unit": task.throughput_unit,
-            "units_per_s": units_per_s,
-            "units_per_s_per_worker": units_per_s / world,
+        "optimizer_steps": steady["steps"],
+        "step_s": step_s,
+        "compute_s": compute_s,
+        "comm_s": comm_s,
+        "other_s": max(0.0, step_s - compute_s - comm_s),
+        "comm_fraction": comm_s / (compute_s + comm_s) if compute_s + comm_s else 0.0,
+        # fsdp's parameter all-gathers run in both timings, so they count as compute.
+        "method": "same micro-batch timed with and without gradient synchronisation"
+        if comm_measured
+        else "not measured (fsdp under scaling.memory_per_worker): comm counts as compute",
+        "comm_measured": comm_measured,
+    }
+
+
+def _flops(ranks, achieved: float, flops_per_sample: float, dtype) -> dict[str, Any]:
+    peak_total = sum(r["matmul_peak_flops"] for r in ranks)
+    return {
+        "model_flops_per_sample": flops_per_sample,
+        "achieved_flops_per_s": achieved,
+        # Not MFU as papers use it (over the hardware vendor's peak): over the dense matmul
+        # rate measured here, which a vendor's peak exceeds.
+        "fraction_of_measured_matmul_peak": achieved / peak_total,
+        "matmul_peak_flops_per_s": peak_total,
+        "peak_dtype": str(dtype).removeprefix("torch."),
+        "matmul_peak": {
+            "dtype": str(dtype).removeprefix("torch."),
+            "method": "square matmuls, best rate over sizes and timings (PEAK_PROBE), "
+            "all workers at once, summed over workers",
+            **PEAK_PROBE,
+            "workers_at_once": len(ranks),
+            "threads_per_worker": [r["threads"] for r in ranks],
+            "per_worker_flops_per_s": [r["matmul_peak_flops"] for r in ranks],
+            "per_worker_best_size": [r["matmul_peak_size"] for r in ranks],
         },
-        "step": {
-            "optimizer_steps": steady["steps"],
-            "step_s": step_s,
-            "compute_s": compute_s,
-            "comm_s": comm_s,
-            "other_s": max(0.0, step_s - compute_s - comm_s),
-            "comm_fraction": comm_s / (compute_s + comm_s) if compute_s + comm_s else 0.0,
-            # fsdp's parameter all-gathers run in both timings, so they count as compute.
-            "method": "same micro-batch timed with and without gradient synchronisation"
-            if comm_measured
-            else "not measured (fsdp under scaling.memory_per_worker): comm counts as compute",
-            "comm_measured": comm_measured,
-        },
-        "flops": {
-            "model_flops_per_sample": flops_per_sample,
-            "achieved_flops_per_s": achieved,
-            # Not MFU as papers use it (over the hardware vendor's peak): over the dense
-            # matmul rate measured here, which a vendor's peak exceeds.
-            "fraction_of_measured_matmul_peak": achieved / peak_total,
-            "matmul_peak_flops_per_s": peak_total,
-            "peak_dtype": str(dtype).removeprefix("torch."),
-            "matmul_peak": {
-                "dtype": str(dtype).removeprefix("torch."),
-                "method": "square matmuls, best rate over sizes and timings (PEAK_PROBE), "
-                "all workers at once, summed over workers",
-                **PEAK_PROBE,
-                "workers_at_once": world,
-                "threads_per_worker": [r["threads"] for r in ranks],
-                "per_worker_flops_per_s": [r["matmul_peak_flops"] for r in ranks],
-                "per_worker_best_size": [r["matmul_peak_size"] for r in ranks],
-            },
-        },
-        "memory": {
-            "kind": memory_kind,
-            # State bytes: each storage that parameters, gradients (after the last training
-            # step) and optimizer state use, counted once — padding and buckets included.
-            "state_method": "live tensors' storages, each counted once (relay.training.footprint)",
-            "activation_method": "memory one forward and loss of the probe batch add until "
-            "their backward (relay.training.efficiency.activation_bytes)",
-            "per_rank": [
-                {
-                    key: r[key]
-                    for key in (
-                        "rank",
-                        "peak_memory_bytes",
-                        "memory_at_start_bytes",
-                        "peak_growth_bytes",
-                        "startup_growth_bytes",
-                        "activation_bytes",
-                        "param_bytes",
-                        "grad_bytes",
-                        "optimizer_bytes",
-                        "state_bytes",
-                    )
-                }
-                for r in ranks
-            ],
-        },
+    }
+
+
+MEMORY_KEYS = (
+    "rank",
+    "peak_memory_bytes",
+    "memory_at_start_bytes",
+    "peak_growth_bytes",
+    "startup_growth_bytes",
+    "activation_bytes",
+    "param_bytes",
+    "grad_bytes",
+    "optimizer_bytes",
+    "state_bytes",
+)
+
+
+def _memory(ranks, memory_kind: str) -> dict[str, Any]:
+    return {
+        "kind": memory_kind,
+        # State bytes: each storage that parameters, gradients (after the last training step)
+        # and optimizer state use, counted once — padding and buckets included.
+        "state_method": "live tensors' storages, each counted once (relay.training.footprint)",
+        "activation_method": "memory one forward and loss of the probe batch add until "
+        "their backward (relay.training.efficiency.activation_bytes)",
+        "per_rank": [{key: r[key] for key in MEMORY_KEYS} for r in ranks],
     }
 
 

@@ -1,10 +1,10 @@
 """The epoch itself, in plain torch: optimizer and schedule, the passes over batches, the
 statistics they sum, and the cached shard they iterate.
 
-Ray's worker loop (loop.py) and the plain-torchrun baseline (bench/torchrun_ddp.py) both run
+Ray's worker loop (worker_loop.py) and the plain-torchrun baseline (bench/torchrun_ddp.py) both run
 this module over the same `parallel.Engine`, so what relay is compared against cannot drift
 from what relay does. It imports no Ray (a test checks): Ray's part — the checkpoint to resume
-from, the dataset shard, reporting and checkpoint writing — stays in loop.py and data.py.
+from, the dataset shard, reporting and checkpoint writing — stays in worker_loop.py and data/.
 """
 
 from __future__ import annotations

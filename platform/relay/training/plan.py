@@ -354,7 +354,7 @@ def plan(
     task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
     try:
         if cfg.data.from_files:
-            from relay.training.sources import head
+            from relay.training.data.sources import head
 
             columns = head(cfg, task)  # a few rows, read here: plan needs no cluster
         else:

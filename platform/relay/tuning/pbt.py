@@ -49,7 +49,7 @@ from relay.checkpoints import checkpoint
 from relay.config import SweepConfig, trial_config
 from relay.records import history, registry
 from relay.runtime import ray_private
-from relay.training import trainer
+from relay.training import driver
 
 # PBT's clock, reported only on the epochs PBT may act after (`acting_epochs`): never a trial's last
 # (a copy made there would have nothing left to train), and never between intervals — Tune's
@@ -258,7 +258,7 @@ def trial_driver(
 
     def fit() -> None:
         try:
-            trainer.fit(
+            driver.fit(
                 cfg,
                 out=None,
                 register=False,

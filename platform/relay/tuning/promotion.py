@@ -13,7 +13,7 @@ best paused trial, so at least one trial trains to `max_t`.
 
 A trial's Train run reports the rung's epoch with its checkpoint and its controller waits
 there for the decision (pbt.trial_driver's hold; its workers may begin the next epoch). A
-paused trial's run is stopped; resuming it starts its driver again, and `trainer.fit` with the
+paused trial's run is stopped; resuming it starts its driver again, and `driver.fit` with the
 trial's stable run id resumes that run from the rung's checkpoint, the latest Train recorded.
 Each promotion of a paused trial therefore costs one run start-up: the price of never letting
 a weak early arrival run to the end.

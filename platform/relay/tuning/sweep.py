@@ -1,7 +1,7 @@
 """Hyperparameter sweeps: Ray Tune with ASHA over the same train loop.
 
 Every trial is a small Tune "driver" function that builds and fits its own TorchTrainer (N DDP
-workers) through `trainer.fit` — the Ray Train V2 pattern: `RunConfig(name=<stable per trial>,
+workers) through `driver.fit` — the Ray Train V2 pattern: `RunConfig(name=<stable per trial>,
 callbacks=[TuneReportCallback()])` forwards each epoch's report to Tune, so ASHA sees per-epoch
 metrics and stops weak trials early. The sweep is distributed twice over: trials in parallel,
 each trial data-parallel.
@@ -37,7 +37,8 @@ from relay.config import SearchDimension, SweepConfig, sweep_from_dict, trial_co
 from relay.observe import doctor, tracking
 from relay.records import registry, sweep_records
 from relay.runtime import cluster, ray_private
-from relay.training import ingest, trainer
+from relay.training import driver
+from relay.training.data import ingest
 from relay.tuning import pbt, promotion
 
 SPEC = "sweep.json"
@@ -129,12 +130,12 @@ def _trial_driver(
     data: ingest.SharedData | None = None,
 ) -> None:
     """One trial: the sweep's base config with this trial's sampled values, trained by the same
-    `trainer.fit` as `relay train`. Runs inside a Tune trial actor. `data`: the base config's
+    `driver.fit` as `relay train`. Runs inside a Tune trial actor. `data`: the base config's
     split, put once by the sweep (fit uses it only if this trial's config loads the same)."""
     cfg = trial_config(base, params["params"])
     trial_id = tune.get_context().get_trial_id()
     cluster.let_trial_wait_for_workers()
-    trainer.fit(
+    driver.fit(
         cfg,
         out=None,
         register=False,  # only the sweep's best trial becomes a model version
@@ -294,7 +295,7 @@ def run(
 ) -> SweepResult:
     """Run (or, with `resume=<sweep id>`, continue) a sweep; register its best trial."""
     storage = storage or cfg.train.storage_path()
-    sweep_id = sweep_records.check_sweep_id(resume) if resume else trainer.new_run_id(cfg.name)
+    sweep_id = sweep_records.check_sweep_id(resume) if resume else driver.new_run_id(cfg.name)
     sweep_dir = sweeps_root(storage) / sweep_id
     cluster.connect(verbose=verbose, num_cpus=ingest.cpus_to_start(cfg.train))
     if cfg.search_alg == "pbt":  # before anything is written: a population that cannot fit
@@ -443,7 +444,7 @@ def _summarize(cfg, sweep_id, sweep_dir, storage, grid, out) -> SweepResult:
         best = {**winner, "checkpoint": checkpoint, "checkpoint_metrics": metrics}
         if checkpoint:
             best_cfg = trial_config(cfg.train.model_dump(mode="json"), winner["config"])
-            version = trainer.register_model(
+            version = driver.register_model(
                 best_cfg, winner["run_id"], checkpoint, metrics, cfg.model_name
             )
             model = f"{version['model']}:{version['version']}"

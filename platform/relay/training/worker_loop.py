@@ -1,12 +1,11 @@
-"""THE train loop: `train_loop_per_worker` runs on every Ray Train worker, for `relay train`,
-for every Tune trial, and in the tests.
+"""THE worker loop: `train_loop_per_worker` runs on every Ray Train worker, for `relay train`,
+for every Tune trial, and in the tests (the driver, relay/training/driver.py, starts them).
 
 Only Ray's part of a worker lives here: the checkpoint to resume from, this rank's data (opened
-through the run's ingest, relay/training/ingest.py), reporting each epoch and writing checkpoints.
-The
-epoch itself (optimizer, schedule, passes, statistics) is epochs.py, which the plain-torchrun
-baseline runs too; distributed concerns (ranks, wrapping, reductions) live in relay/parallel/; the
-problem-specific parts (model, data, loss, metrics) in the task.
+through the run's ingest, relay/training/data/ingest.py), reporting each epoch and writing
+checkpoints. The epoch itself (optimizer, schedule, passes, statistics) is epochs.py, which the
+plain-torchrun baseline runs too; distributed concerns (ranks, wrapping, reductions) live in
+relay/parallel/; the problem-specific parts (model, data, loss, metrics) in the task.
 """
 
 from __future__ import annotations
@@ -33,7 +32,8 @@ from relay.observe import doctor, worker_logs
 from relay.records import history
 from relay.runtime import worker_memory
 from relay.tasks import build_task
-from relay.training import efficiency, ingest
+from relay.training import efficiency
+from relay.training.data import ingest
 from relay.training.epochs import (
     Epochs,
     build_scheduler,
@@ -130,20 +130,7 @@ def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     parallel.reset_peak()  # the start-up peak: building the model and loading its state
     cfg = RunConfig.model_validate(loop_config["run"])
     run_dir = Path(loop_config["run_dir"])
-    confined = None
-    if cfg.scaling.memory_per_worker:  # before anything of the run is built
-        confined = worker_memory.confine(
-            int(cfg.scaling.memory_per_worker), run_dir.name, parallel.rank()
-        )
-        print(f"rank {parallel.rank()}: memory limited by {confined.mechanism} ({confined.where})")
-    parallel.set_threads(cfg.scaling.threads_per_worker, loop_config["cpus_per_worker"])
-    beat = doctor.Heartbeat(  # where this rank is, and how far it got: for the hang doctor
-        run_dir,
-        parallel.rank(),
-        parallel.world_size(),
-        node_id=ray.get_runtime_context().get_node_id(),
-        node_ip=ray.util.get_node_ip_address(),
-    )
+    confined, beat = _prepare_worker(cfg, run_dir, loop_config["cpus_per_worker"])
 
     # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(cfg.seed)
@@ -151,41 +138,12 @@ def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     # Before any rank can checkpoint again (the engine's set-up is a collective).
     _remove_orphaned_staging(run_dir)
     beat.phase("model")
-    with _opened(_start_checkpoint(loop_config)) as directory:
-        model = _build_model(task, cfg, directory)
-        torch.manual_seed(cfg.seed)  # dropout's stream, however the model was built
-        engine, start_epoch, train_state = _build_engine(model, cfg, directory)
-
-    # The world size is known only here: an elastic run may restart with fewer workers.
-    steps = steps_per_epoch(
-        loop_config["train_rows"], parallel.world_size(), cfg.batch_size, cfg.parallel.grad_accum
-    )
-    scheduler = build_scheduler(cfg.schedule, engine.optimizer, steps, cfg.epochs)
-    if train_state is not None:
-        if train_state.optimizer is not None:  # a full checkpoint's (a sharded one's is loaded)
-            engine.load_optimizer_state(train_state.optimizer)
-        engine.load_scaler_state(train_state.scaler)
-        _config_hyperparameters_win(engine.optimizer, cfg)
-        # The schedule's position follows from the epoch, not from the saved step count: a run
-        # resumed on another worker count (or grad_accum) has another number of steps per epoch.
-        fast_forward(scheduler, (start_epoch - 1) * steps)
+    engine, scheduler, start_epoch = _restore(task, cfg, loop_config)
     startup_peak = parallel.peak_since_reset()  # model built, its state loaded; nothing trained
 
-    def batches(name: str, shuffle: bool):
-        return ingest.open_batches(
-            loop_config["data"],
-            name,
-            batch_size=cfg.batch_size,
-            dtypes=task.input_columns(),
-            device=parallel.device(),
-            cache=cfg.data.caches,
-            shuffle=shuffle,
-            seed=cfg.seed,
-            shuffle_buffer=cfg.data.shuffle_buffer,
-        )
-
     beat.phase("data")
-    train_data, val_data = batches("train", cfg.data.shuffle), batches("val", False)
+    train_data = _open_batches(loop_config, task, cfg, "train", cfg.data.shuffle)
+    val_data = _open_batches(loop_config, task, cfg, "val", False)
     train_data.load()
     val_data.load()
     data_ready_at = time.time()
@@ -217,6 +175,66 @@ def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
         "memory_limit": confined
         and {"mechanism": confined.mechanism, "bytes": confined.limit_bytes},
     }
+
+
+def _prepare_worker(cfg: RunConfig, run_dir: Path, cpus: float):
+    """This worker process made ready for the run, before anything of it is built: its memory
+    limit (if any), its threads, and the heartbeat the hang doctor reads. Returns (the memory
+    confinement or None, the heartbeat)."""
+    confined = None
+    if cfg.scaling.memory_per_worker:
+        confined = worker_memory.confine(
+            int(cfg.scaling.memory_per_worker), run_dir.name, parallel.rank()
+        )
+        print(f"rank {parallel.rank()}: memory limited by {confined.mechanism} ({confined.where})")
+    parallel.set_threads(cfg.scaling.threads_per_worker, cpus)
+    beat = doctor.Heartbeat(  # where this rank is, and how far it got: for the hang doctor
+        run_dir,
+        parallel.rank(),
+        parallel.world_size(),
+        node_id=ray.get_runtime_context().get_node_id(),
+        node_ip=ray.util.get_node_ip_address(),
+    )
+    return confined, beat
+
+
+def _restore(task, cfg: RunConfig, loop_config: dict[str, Any]):
+    """The model, wrapped for the strategy, with its optimizer and LR schedule, from the
+    checkpoint the run starts from (if any); returns (engine, scheduler, first epoch to train)."""
+    with _opened(_start_checkpoint(loop_config)) as directory:
+        model = _build_model(task, cfg, directory)
+        torch.manual_seed(cfg.seed)  # dropout's stream, however the model was built
+        engine, start_epoch, train_state = _build_engine(model, cfg, directory)
+
+    # The world size is known only here: an elastic run may restart with fewer workers.
+    steps = steps_per_epoch(
+        loop_config["train_rows"], parallel.world_size(), cfg.batch_size, cfg.parallel.grad_accum
+    )
+    scheduler = build_scheduler(cfg.schedule, engine.optimizer, steps, cfg.epochs)
+    if train_state is not None:
+        if train_state.optimizer is not None:  # a full checkpoint's (a sharded one's is loaded)
+            engine.load_optimizer_state(train_state.optimizer)
+        engine.load_scaler_state(train_state.scaler)
+        _config_hyperparameters_win(engine.optimizer, cfg)
+        # The schedule's position follows from the epoch, not from the saved step count: a run
+        # resumed on another worker count (or grad_accum) has another number of steps per epoch.
+        fast_forward(scheduler, (start_epoch - 1) * steps)
+    return engine, scheduler, start_epoch
+
+
+def _open_batches(loop_config: dict[str, Any], task, cfg: RunConfig, name: str, shuffle: bool):
+    """This rank's batches of split `name`, through the run's ingest (training/data/ingest.py)."""
+    return ingest.open_batches(
+        loop_config["data"],
+        name,
+        batch_size=cfg.batch_size,
+        dtypes=task.input_columns(),
+        device=parallel.device(),
+        cache=cfg.data.caches,
+        shuffle=shuffle,
+        seed=cfg.seed,
+        shuffle_buffer=cfg.data.shuffle_buffer,
+    )
 
 
 def _staging_prefix(run_dir: Path) -> str:

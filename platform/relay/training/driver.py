@@ -24,7 +24,7 @@ from relay.runtime import cluster, ray_private, worker_memory
 from relay.training import efficiency
 
 if TYPE_CHECKING:
-    from relay.training.ingest import RunData, SharedData
+    from relay.training.data.ingest import RunData, SharedData
 
 
 @dataclass
@@ -62,7 +62,7 @@ def build_trainer(
 ):
     import ray.train
 
-    from relay.training.loop import train_loop_per_worker
+    from relay.training.worker_loop import train_loop_per_worker
 
     runs_root = registry.runs_root(cfg.storage_path())
     scaling = ray.train.ScalingConfig(
@@ -90,7 +90,8 @@ def build_trainer(
         "run_dir": str(runs_root / run_id),
         "cpus_per_worker": cfg.scaling.cpus_per_worker,
         "train_rows": data.train_rows,
-        "data": data.loop_data(),  # what each worker opens its batches from (relay.training.ingest)
+        # What each worker opens its batches from (relay.training.data.ingest).
+        "data": data.loop_data(),
         # Where a run without checkpoints of its own starts (a PBT exploit: another trial's).
         "init_checkpoint": init_checkpoint,
     }
@@ -167,7 +168,7 @@ def fit(
     The checkpoint a run resumes or starts from must name `cfg`'s task in its meta.json, or
     one in `allow_task` (relay.tasks.UntrustedTask, before any cluster work).
     """
-    from relay.training import ingest
+    from relay.training.data import ingest
 
     times = {"started": time.time()}
     previous, init_checkpoint = _check_start(cfg, run_id, init_checkpoint, allow_task)

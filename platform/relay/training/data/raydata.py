@@ -1,8 +1,8 @@
-"""The Ray Data ingest (relay/training/ingest.py chooses it, for data from files and `data.cache:
-false`): the driver turns a task's split into Ray Datasets (files: relay/training/sources.py); each
-worker reads its shard with `ray.train.get_dataset_shard` and iterates it in batches. Each
-dataset costs the run a SplitCoordinator actor and a streaming executor, which streaming (and
-data from files) needs; data that fits in memory goes through the object store instead.
+"""The Ray Data ingest (ingest.py chooses it, for data from files and `data.cache: false`): the
+driver turns a task's split into Ray Datasets (files: sources.py); each worker reads its shard with
+`ray.train.get_dataset_shard` and iterates it in batches. Each dataset costs the run a
+SplitCoordinator actor and a streaming executor, which streaming (and data from files) needs; data
+that fits in memory goes through the object store instead.
 
 Ray Train splits every dataset with `streaming_split(equal=True)`, so all ranks get the same
 number of rows and therefore the same number of batches — DDP needs every rank to run the same

@@ -8,9 +8,9 @@ Two ingests, chosen by `choose` alone; both hand the loop the same thing, an obj
   loop's config; each worker fetches only the blocks covering its rank's rows and keeps them as
   tensors (`epochs.CachedBatches`, reshuffled per epoch with the seed). No Ray Dataset, so no
   SplitCoordinator actor, streaming executor or barrier per run. A sweep puts the data once for
-  all its trials (`put_split`, passed to `trainer.fit(data=...)`).
+  all its trials (`put_split`, passed to `driver.fit(data=...)`).
 - RAY_DATA: data from files (`data.format`: Datasets that read and preprocess them on the
-  cluster, relay/training/sources.py), and the task's own data with `data.cache: false`
+  cluster, relay/training/data/sources.py), and the task's own data with `data.cache: false`
   (`data.to_ray_datasets`); each rank's shard streams from Ray Data (`data.ShardBatches`). A
   sweep surveys its files once for all trials (`SurveyedFiles`).
 
@@ -158,7 +158,7 @@ class SurveyedFiles:
         return cfg.data.from_files and data_source(cfg) == self.source
 
 
-#: What a sweep prepares once for all its trials (`trainer.fit(data=)`).
+#: What a sweep prepares once for all its trials (`driver.fit(data=)`).
 SharedData = PutSplit | SurveyedFiles
 
 
@@ -200,7 +200,7 @@ def prepare(cfg: RunConfig, shared: SharedData | None = None) -> RunData:
         return RunData(ingest, put.train.rows, put=put)
     if cfg.data.from_files:
         return _from_files(cfg, shared.rows if serves else None)
-    from relay.training.data import to_ray_datasets
+    from relay.training.data.raydata import to_ray_datasets
 
     split = load_split(cfg)
     rows = len(next(iter(split.train.values())))
@@ -208,12 +208,12 @@ def prepare(cfg: RunConfig, shared: SharedData | None = None) -> RunData:
 
 
 def _survey_files(cfg: RunConfig, rows: dict[str, int] | None = None):
-    """Datasets that read `data.path` on the cluster (relay/training/sources.py) and their rows per
-    part: `rows` when known (a sweep's survey), else surveyed now, before any worker starts
-    (which also checks the task's columns)."""
+    """Datasets that read `data.path` on the cluster (sources.py) and their rows per part:
+    `rows` when known (a sweep's survey), else surveyed now, before any worker starts (which
+    also checks the task's columns)."""
     from relay.runtime import cluster
     from relay.tasks import build_task
-    from relay.training import sources
+    from relay.training.data import sources
 
     check_cpus_for_reading(cfg)
     task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
@@ -315,7 +315,7 @@ def open_batches(
     options = {"batch_size": batch_size, "dtypes": dtypes, "device": device, "seed": seed}
     if Ingest(loop_data["ingest"]) is Ingest.OBJECT_STORE:
         return ObjectStoreBatches(getattr(loop_data["split"], name), shuffle=shuffle, **options)
-    from relay.training.data import ShardBatches
+    from relay.training.data.raydata import ShardBatches
 
     return ShardBatches(
         name, cache=cache, shuffle=shuffle, shuffle_buffer=shuffle_buffer, **options
