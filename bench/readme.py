@@ -11,6 +11,11 @@ markers
 and is rendered here from the results file; nothing between the markers is typed by hand. Each
 block lives in exactly one page. `--write` rewrites the blocks in place; `--check` exits 1
 (printing a diff) when a page and the results file disagree — the test suite runs it.
+
+What each block says is data (BENCHMARK_ROWS, the Sections, BLOCKS below): templates in
+str.format syntax whose fields are dotted paths into a bench's figures
+("{levels.tiny.plain.32.rps}") and whose format specs are Python's (".3f") or a name in FORMATS
+("{throughput_ratio:ratio}"), with When for the clauses only some results have.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ import argparse
 import difflib
 import json
 import re
+import string
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +37,8 @@ RESULTS = HERE / "results.jsonl"
 BLOCK = re.compile(
     r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.S
 )
+Figures = dict[str, Any]
+Results = dict[str, dict[str, Any]]
 
 
 def pages(repo: Path = REPO) -> list[Path]:
@@ -50,41 +59,27 @@ def block_homes(texts: dict[Path, str]) -> dict[str, Path]:
     return homes
 
 
-def load_results(path: Path = RESULTS) -> dict[str, dict[str, Any]]:
+def load_results(path: Path = RESULTS) -> Results:
     entries = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
     return {entry["bench"]: entry for entry in entries}
 
 
-def get(tree: Any, dotted: str) -> Any:
-    """tree["a"]["b"] for "a.b"; a missing key is an error, never a silent blank."""
+_REQUIRED = object()
+
+
+def get(tree: Any, dotted: str, default: Any = _REQUIRED) -> Any:
+    """tree["a"]["b"] for "a.b"; a missing key is an error, never a silent blank, unless the
+    caller names a default (a figure only some runs or sides have)."""
     for key in dotted.split("."):
         if key not in tree:
-            raise KeyError(f"results: no {dotted!r} (missing {key!r})")
+            if default is _REQUIRED:
+                raise KeyError(f"results: no {dotted!r} (missing {key!r})")
+            return default
         tree = tree[key]
     return tree
 
 
-# --- formatting ---------------------------------------------------------------------------
-
-
-def ratio(value: float) -> str:
-    return f"{value:.2f}"
-
-
-def rate(value: float) -> str:
-    return f"{value:,.0f}"
-
-
-def seconds(value: float) -> str:
-    return f"{value:.1f} s"
-
-
-def percent(value: float) -> str:
-    return f"{value:.0%}"
-
-
-def mib(value: float) -> str:
-    return f"{value / 2**20:.1f} MiB"
+# --- formats: what a format spec names ----------------------------------------------------
 
 
 def spread(values: list[float], fmt: Callable[[float], str]) -> str:
@@ -97,449 +92,400 @@ def spread(values: list[float], fmt: Callable[[float], str]) -> str:
     return f"{fmt(median)} ({fmt(ordered[0])}–{fmt(ordered[-1])})"
 
 
-# --- one figures cell per bench -----------------------------------------------------------
-
-
-def train_overhead(f: dict[str, Any]) -> str:
-    return (
-        f"steady samples/s relay {rate(f['relay_steady_samples_per_s'])} vs torchrun "
-        f"{rate(f['torchrun_steady_samples_per_s'])}: `throughput_ratio` "
-        f"**{ratio(f['throughput_ratio'])}**; end-to-end "
-        f"{ratio(f['end_to_end_throughput_ratio'])} (relay spends "
-        f"{f['relay_between_epochs_s']:.3f} s between epochs on report + checkpoint); time to the "
-        f"end of epoch 1: relay {seconds(f['relay_first_epoch_s'])} starting Ray, "
-        f"{seconds(f['relay_first_epoch_s_ray_up'])} with Ray up, torchrun "
-        f"{seconds(f['torchrun_first_epoch_s'])}"
-    )
-
-
-def scaling(f: dict[str, Any]) -> str:
-    def speedup(key: str) -> str:
-        return f"**{ratio(f[key])}** ({ratio(f[key + '_min'])}–{ratio(f[key + '_max'])})"
-
-    return (
-        f"`speedup_2w` relay {speedup('speedup_2w')}, torchrun "
-        f"{speedup('torchrun_speedup_2w')} (medians of {f['repeats']} alternated rounds, "
-        f"per-round spread): relay's / torchrun's **{ratio(f['speedup_vs_torchrun'])}**; "
-        f"samples/s relay / torchrun {ratio(f['relay_vs_torchrun_1w'])} at 1 worker, "
-        f"{ratio(f['relay_vs_torchrun_2w'])} at 2; `fraction_of_measured_matmul_peak` "
-        f"{ratio(f['fraction_of_measured_matmul_peak'])} at 2 workers "
-        f"({ratio(f['fraction_of_measured_matmul_peak_1w'])} at 1); gradient comm "
-        f"{percent(f['comm_fraction'])} of compute + comm; while 2 workers train, the rest of "
-        f"the process tree (Ray's daemons and actors, the driver) uses "
-        f"{f['support_cpu_cores']['relay']['2']:.2f} cores beside relay's workers, "
-        f"{f['support_cpu_cores']['torchrun']['2']:.2f} beside torchrun's"
-    )
-
-
-def scaling_hosts(f: dict[str, Any]) -> str:
-    rates = f["samples_per_s"]
-    links = [r["host1_link_bytes"] for r in f["runs"] if r["side"] == "two_hosts"]
-    return (
-        f"samples/s with 1 worker on each of 2 namespace hosts "
-        f"{spread(rates['two_hosts'], rate)} vs both on one host "
-        f"{spread(rates['one_host'], rate)}: `two_hosts_vs_one_host` "
-        f"**{ratio(f['two_hosts_vs_one_host'])}** (medians of {f['repeats']} alternated runs "
-        f"each; the second host's link carried {spread(links, lambda b: f'{b / 1e6:,.0f} MB')} "
-        f"per run)"
-    )
-
-
-def strategies(f: dict[str, Any]) -> str:
-    return (
-        f"measured state per rank (live tensors after a step, each storage once): "
-        f"`fsdp_state_ratio` **{ratio(f['fsdp_state_ratio'])}**, zero1 "
-        f"{ratio(f['zero1_state_ratio'])} of ddp; peak RSS growth per rank fsdp/ddp "
-        f"{ratio(f['fsdp_rss_growth_ratio'])}; "
-        + (
-            f"`bf16_speedup` **{ratio(f['bf16_speedup'])}** (ddp)"
-            if f["bf16_speedup"] is not None
-            else f["bf16_skipped"]
-        )
-    )
-
-
-def _wall(arm: dict[str, Any]) -> str:
-    return f"{seconds(arm['wall_s_median'])} ({arm['wall_s_min']:.0f}–{arm['wall_s_max']:.0f})"
-
-
-def _asha_workload(f: dict[str, Any]) -> str:
-    """What differs from the defaults: the corpus and the ASHA arm's strategy."""
-    settings = f.get("asha_settings", {})
-    corpus = f["model"].get("corpus_bytes")
-    strategy = {
-        "promote": ", ASHA by promotions (`asha.strategy: promote`)",
-        "stop": ", ASHA by Ray's stopping rule (`asha.strategy: stop`)",
-    }
-    # rows from before the option name no strategy: Ray's rule, the only one then
-    return (f", a {corpus // 1000} kB corpus" if corpus else "") + strategy.get(
-        settings.get("strategy"), ""
-    )
-
-
-def _asha_rank_of_best(f: dict[str, Any]) -> str:
-    per_seed = f["per_seed"]
-    if not all("rank_of_best" in search for search in per_seed):
-        return ""  # rows from before the bench recorded the curves
-    return (
-        "; without stopping, the best config first ranks in a rung's top 1/reduction_factor "
-        "after epoch "
-        + ", ".join(str(search["rank_of_best"]["first_epoch_kept"]) for search in per_seed)
-        + " (per seed): a rung before that stops it"
-    )
-
-
-def asha_vs_random(f: dict[str, Any]) -> str:
-    seeds = f["seeds"]
-    if len(seeds) > 1:  # one search per seed: the medians of the per-seed figures
-        return (
-            f"{len(seeds)} random searches (seeds {', '.join(map(str, seeds))}) of "
-            f"{f['trials']} trials of at most {f['max_epochs']} epochs{_asha_workload(f)}, "
-            "each run by both arms: "
-            f"`wall_ratio` **{ratio(f['wall_ratio'])}** ({ratio(f['wall_ratio_min'])}–"
-            f"{ratio(f['wall_ratio_max'])}), `best_metric_gap` **{f['best_metric_gap']:.3f}** "
-            f"({f['best_metric_gap_min']:.3f}–{f['best_metric_gap_max']:.3f}) (medians over the "
-            f"seeds, min–max); wall per sweep ASHA {_wall(f['asha'])} vs "
-            f"{_wall(f['no_stopping'])}, epochs trained {f['asha']['epochs_trained_median']:g} vs "
-            f"{f['no_stopping']['epochs_trained_median']:g} (medians over all sweeps)"
-            + _asha_rank_of_best(f)
-        )
-    return (
-        f"{f['trials']} trials of at most {f['max_epochs']} epochs: "
-        f"`wall_ratio` **{ratio(f['wall_ratio'])}** (ASHA {_wall(f['asha'])} vs "
-        f"{_wall(f['no_stopping'])}, medians (min–max) of {f['repeats']} alternated repeats), "
-        "epochs trained "
-        f"{f['asha']['epochs_trained_median']:g} vs {f['no_stopping']['epochs_trained_median']:g}, "
-        f"`best_metric_gap` {f['best_metric_gap']:.3f}"
-    )
-
-
-def overlap(f: dict[str, Any]) -> str:
-    low, high = (str(o) for o in f["compared"])
-    a, b = f["sides"][low], f["sides"][high]
-    return (
-        f"ASHA sweep wall time with `overlap: {high}` / `overlap: {low}`: `wall_ratio` "
-        f"**{ratio(f['wall_ratio'])}** ({seconds(b['wall_s_median'])} vs "
-        f"{seconds(a['wall_s_median'])}, medians of {f['repeats']} alternated repeats; "
-        f"{f['trials']} trials of at most {f['max_epochs']} epochs), epochs trained "
-        f"{b['epochs_trained_median']:g} vs {a['epochs_trained_median']:g}"
-    )
-
-
-def serve_load(f: dict[str, Any]) -> str:
-    tiny = f["levels"]["tiny"]
-    return (
-        f"tiny model, c=32: relay (HAProxy) {rate(get(tiny, 'haproxy.32.rps'))} vs plain "
-        f"{rate(get(tiny, 'plain.32.rps'))} req/s (`throughput_ratio_c32` "
-        f"**{ratio(f['throughput_ratio_c32'])}**, `p99_ratio_c32` {ratio(f['p99_ratio_c32'])}); "
-        f"Python proxy {ratio(f['proxy_ratio_c32'])}; heavy model batched vs plain "
-        f"**{ratio(f['batched_throughput_ratio_c32'])}**; version swaps under load: "
-        f"**{f['swap_failed_requests']}** failed of {f['swap_requests']:,}"
-    )
-
-
-def serve_load_block(results: dict[str, dict[str, Any]]) -> str:
-    """bench/serve_load.py: every server at every level, both models."""
-    e = results["serve_load"]
-    f = e["figures"]
-    setup = f["setup"]
-    levels = sorted({int(c) for sides in f["levels"].values() for s in sides.values() for c in s})
-    lines = [
-        f"req/s, then p50 / p99 latency, median of {setup['repeats']} alternated repeats "
-        f"({setup['seconds_per_level']} s per level, {setup['client']}); tiny: "
-        f"{setup['models']['tiny']}, heavy: {setup['models']['heavy']}. A lone request through "
-        f"HAProxy: p50 {f['p50_gap_ms_c1']:+.2f} ms against plain. Run: `{e['command']}`, "
-        f"{(e['commit'] or '?')[:8]}{'+' if e['dirty'] else ''}, {e['date'][:10]}.",
-        "",
-        "| model | server | " + " | ".join(f"c={c}" for c in levels) + " |",
-        "|---|---|" + "---|" * len(levels),
-    ]
-    order = (
-        "plain",
-        "haproxy",
-        "haproxy conn-failure retry",
-        "haproxy 2 models",
-        "haproxy serve.batch",
-        "proxy",
-    )
-    for model in ("tiny", "heavy"):
-        sides = f["levels"][model]
-        for side in sorted(sides, key=lambda name: order.index(name) if name in order else 9):
-            figures = sides[side]
-            cells = []
-            for c in levels:
-                x = figures.get(str(c))
-                cells.append(
-                    "—"
-                    if x is None
-                    else f"{rate(x['rps'])}, {x['p50_ms']:.1f} / {x['p99_ms']:.1f} ms"
-                )
-            lines.append(f"| {model} | {side} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        f"Version swaps under load (tiny model, HAProxy, c=32, `relay deploy` alternating "
-        f"1 → 2 → 1 in {len(f['swap_windows']['swap'])} windows of {setup['swap_seconds']} s, "
-        f"each beside a steady window): **{f['swap_failed_requests']}** failed requests of "
-        f"{f['swap_requests']:,} (steady windows: {f['steady_failed_requests']}); p99 "
-        f"{f['swap_p99_ms']:.1f} ms during a swap vs {f['steady_p99_ms']:.1f} ms steady "
-        f"(max {f['swap_max_ms']:.1f} vs {f['steady_max_ms']:.1f} ms); `relay deploy` took "
-        f"{f['deploy_s']:.1f} s (a new Ray driver, the redeploy, the check). A second model in "
-        f"the table: {ratio(f['two_models_ratio_c32'])}× the one-model throughput at c=32. "
-        "relay's HAProxy retry policy (`conn-failure empty-response`) against Serve's "
-        f"(`conn-failure`): c=1 p50 {f['retry_p50_gap_ms_c1']:+.2f} ms, c=32 "
-        f"{ratio(f['retry_throughput_ratio_c32'])}× the throughput (heavy, batched: "
-        f"{ratio(f['retry_batched_ratio_c32'])}×).",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def serve_multiplex(f: dict[str, Any]) -> str:
-    cold, heavy = f["cold_first_ms"], f["cold_first_ms_heavy"]
-    return (
-        f"two models on one replica, Serve's multiplexing / relay's table at c=32 "
-        f"**{ratio(f['multiplexed_ratio_c32'])}**; a model's first request "
-        f"{heavy['multiplexed']:.0f} vs {heavy['table']:.0f} ms (68 MB models), "
-        f"{cold['multiplexed']:.0f} vs {cold['table']:.0f} ms (tiny)"
-    )
-
-
-def serve_multiplex_block(results: dict[str, dict[str, Any]]) -> str:
-    """bench/serve_multiplex.py: the table against multiplexing, cold and warm."""
-    e = results["serve_multiplex"]
-    f = e["figures"]
-    setup, levels = f["setup"], f["levels"]
-    lines = [
-        f"Two models on one replica (HAProxy), relay's table vs Serve's `@serve.multiplexed` "
-        f"loading the same replica's models on demand; median of {setup['repeats']} alternated "
-        f"repeats, {setup['seconds_per_level']} s per level ({setup['client']}). Run: "
-        f"`{e['command']}`, {(e['commit'] or '?')[:8]}{'+' if e['dirty'] else ''}, "
-        f"{e['date'][:10]}.",
-        "",
-        "| | table | multiplexed |",
-        "|---|---|---|",
-    ]
-    for c in ("1", "32"):
-        cells = [
-            f"{rate(levels[side][c]['rps'])} req/s, p50 {levels[side][c]['p50_ms']:.1f} / "
-            f"p99 {levels[side][c]['p99_ms']:.1f} ms"
-            for side in ("table", "multiplexed")
-        ]
-        lines.append(
-            f"| c={c}, requests alternating between the models | " + " | ".join(cells) + " |"
-        )
-    for key, size in (("cold_first_ms", "tiny"), ("cold_first_ms_heavy", setup["sizes"]["heavy"])):
-        cold = f[key]
-        lines.append(
-            f"| first request to a model ({size}), slower of the two | "
-            f"{cold['table']:.1f} ms | {cold['multiplexed']:.1f} ms |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def startup(f: dict[str, Any]) -> str:
-    relay, saved = f["sides"]["relay"], f["saved_s"]["ray_defaults"]
-    return (
-        f"per-trial start-up (in Tune, relay's `fit()` → first step) "
-        f"**{seconds(f['trial_startup_s'])}** ({seconds(relay['trial']['total_s']['min'])}–"
-        f"{seconds(relay['trial']['total_s']['max'])}), a `relay train` run "
-        f"{seconds(f['run_startup_s'])}, next to the bare `TorchTrainer` floor "
-        f"{seconds(f['floor_s'])} (`fit()` → its loop's first line); {f['workers']} workers, "
-        f"medians of {f['repeats']} alternated repeats; relay's switches save (Ray's defaults "
-        f"minus relay's) {saved['run']:+.1f} s per run, {saved['trial']:+.1f} s per trial"
-    )
-
-
-def memory_wall(f: dict[str, Any]) -> str:
-    def run_of(strategy: str, workers: int) -> dict[str, Any]:
-        (run,) = [r for r in f["runs"] if (r["strategy"], r["workers"]) == (strategy, workers)]
-        return run
-
-    def growth(strategy: str, workers: int) -> str:
-        run = run_of(strategy, workers)
-        fullest = max(run["growth_bytes_per_rank"])
-        return f"{mib(fullest)} (plan {mib(run['plan_total_bytes'])})"
-
-    def startup(strategy: str, workers: int) -> str:
-        return mib(max(run_of(strategy, workers)["startup_growth_bytes_per_rank"]))
-
-    return (
-        f"peak RSS growth of the fullest rank, fsdp/ddp: **{ratio(f['fsdp_over_ddp_growth_2'])}** "
-        f"at 2 workers, **{ratio(f['fsdp_over_ddp_growth_4'])}** at 4 (zero1/ddp "
-        f"{ratio(f['zero1_over_ddp_growth_2'])}, {ratio(f['zero1_over_ddp_growth_4'])}); ddp "
-        f"{growth('ddp', 2)}, fsdp {growth('fsdp', 2)} at 2, fsdp {growth('fsdp', 4)} at 4; "
-        + (
-            f"start-up alone (building the model, fsdp on the meta device), fsdp/ddp: "
-            f"**{ratio(f['fsdp_over_ddp_startup_2'])}** at 2 workers, "
-            f"**{ratio(f['fsdp_over_ddp_startup_4'])}** at 4 (fullest rank: ddp "
-            f"{startup('ddp', 2)}, fsdp {startup('fsdp', 2)} at 2, {startup('fsdp', 4)} at 4); "
-            if f.get("fsdp_over_ddp_startup_2") is not None
-            else ""
-        )
-        + f"checkpoint save at 2 workers gathered {seconds(f['save_gathered_s'])} vs sharded "
-        f"{seconds(f['save_sharded_s'])} (**{ratio(f['save_sharded_over_gathered'])}**)"
-        + (
-            f"; measured/plan, the furthest from 1 over the runs: state "
-            f"{ratio(f['state_over_plan_worst'])}, activations "
-            f"{ratio(f['activations_over_plan_worst'])}"
-            if f.get("activations_over_plan_worst") is not None
-            else ""
-        )
-    )
-
-
-def checkpoint_upload(f: dict[str, Any]) -> str:
-    samples, stall = f["sides"], f["stall_s"]
-
-    def throughput(side: str) -> str:
-        return rate(samples[side]["samples_per_s"]["median"])
-
-    return (
-        f"a checkpoint every epoch (fsdp, 2 workers, sharded), copied to storage beside the next "
-        f"epoch (async) vs waited for (sync) vs none between epochs: step-time hit async "
-        f"**{percent(f['async_step_time_hit'])}** (sync {percent(f['sync_step_time_hit'])}; "
-        f"samples/s {throughput('async')}, {throughput('sync')}, {throughput('none')}; none's "
-        f"own runs spread {rate(samples['none']['samples_per_s']['min'])}–"
-        f"{rate(samples['none']['samples_per_s']['max'])}); "
-        f"training held up per epoch {seconds(stall['async'])} async, {seconds(stall['sync'])} "
-        f"sync, {seconds(stall['none'])} none; medians of {f['repeats']} alternated runs"
-    )
-
-
-def ingest(f: dict[str, Any]) -> str:
-    rates = f["rows_per_s"]
-    return (
-        f"rows/s to 2 workers from Parquet, tokenised on the way: Ray Data "
-        f"{rate(rates['ray_data']['median'])} vs `DataLoader` "
-        f"{rate(rates['dataloader']['median'])} (`ray_data_vs_dataloader` "
-        f"**{ratio(f['ray_data_vs_dataloader'])}**), already in memory "
-        f"{rate(rates['in_memory']['median'])}; charlm debug trainers wait for input "
-        f"{percent(f['trainer_idle_share'])} of the training pass"
-    )
-
-
-TABLE = {
-    "train_overhead": (
-        "2-worker relay `TorchTrainer` vs plain `torchrun`, the same epoch code "
-        "(relay.training.epochs)",
-        train_overhead,
+ASHA_STRATEGIES = {
+    "promote": ", ASHA by promotions (`asha.strategy: promote`)",
+    "stop": ", ASHA by Ray's stopping rule (`asha.strategy: stop`)",
+}
+FORMATS: dict[str, Callable[[Any], str]] = {
+    "ratio": lambda value: f"{value:.2f}",
+    "rate": lambda value: f"{value:,.0f}",
+    "seconds": lambda value: f"{value:.1f} s",
+    "percent": lambda value: f"{value:.0%}",
+    "ms": lambda value: f"{value:.1f} ms",
+    "mib": lambda size: f"{size / 2**20:.1f} MiB",
+    "megabytes": lambda size: f"{size / 1e6:,.0f} MB",
+    "kilobytes": lambda size: f"{size // 1000} kB",
+    "count": lambda items: str(len(items)),
+    "list": lambda items: ", ".join(map(str, items)),
+    # an unknown strategy reads as the default, Ray's stopping rule, which names none
+    "asha_strategy": lambda name: ASHA_STRATEGIES.get(name, ""),
+    # figures recorded as a group: {"median", "min", "max"}, a sweep arm, a server at a level
+    "median_range": lambda s: f"{s['median']:.1f} s ({s['min']:.1f}–{s['max']:.1f})",
+    "sweep_wall": lambda a: (
+        f"{a['wall_s_median']:.1f} s ({a['wall_s_min']:.0f}–{a['wall_s_max']:.0f})"
     ),
-    "scaling": ("1 → 2 workers, relay and plain torchrun side by side", scaling),
-    "scaling_hosts": (
-        "the network hop: the same 2 workers one per namespace host vs both on one",
-        scaling_hosts,
-    ),
-    "strategies": ("ddp / zero1 / fsdp × fp32 / bf16 on 2 workers", strategies),
-    "memory_wall": (
-        "a 63 M-parameter MLP: memory per rank by strategy at 2 and 4 workers; save times",
-        memory_wall,
-    ),
-    "checkpoint_upload": (
-        "the same model: a checkpoint every epoch copied to storage async vs sync vs none",
-        checkpoint_upload,
-    ),
-    "asha_vs_random": ("ASHA vs no stopping over the same random trials", asha_vs_random),
-    "asha_vs_random_9x9": (
-        "the same, on a sweep of 9 trials of up to 9 epochs (ASHA's rungs 1, 3, 9)",
-        asha_vs_random,
-    ),
-    "asha_vs_random_promote": (
-        "the 9-trial sweep with ASHA by promotions, where epochs are long next to a start-up",
-        asha_vs_random,
-    ),
-    "asha_vs_random_stop_160k": (
-        "the same sweeps as the row above with Ray's stopping rule (`asha.strategy: stop`)",
-        asha_vs_random,
-    ),
-    "startup": (
-        "per-run start-up: a Tune trial and a run vs a bare TorchTrainer; switches vs Ray's",
-        startup,
-    ),
-    "overlap": ("one more trial than fits, started while others train, vs none", overlap),
-    "serve_load": ("`relay serve` (HAProxy, Python proxy) vs a plain FastAPI server", serve_load),
-    "serve_multiplex": (
-        "several models on one endpoint: relay's model table vs Serve's multiplexing",
-        serve_multiplex,
-    ),
-    "ingest": ("data from Parquet files vs a DataLoader and vs in memory", ingest),
+    "latency": lambda x: f"{x['rps']:,.0f} req/s, p50 {x['p50_ms']:.1f} / p99 {x['p99_ms']:.1f} ms",
+    "latency_short": lambda x: f"{x['rps']:,.0f}, {x['p50_ms']:.1f} / {x['p99_ms']:.1f} ms",
+}
+# "spread F" / "max F": a list of measurements, each shown by format F.
+LIST_FORMATS: dict[str, Callable[[list, Callable[[Any], str]], str]] = {
+    "spread": spread,
+    "max": lambda values, fmt: fmt(max(values)),
 }
 
 
-def benchmarks(results: dict[str, dict[str, Any]]) -> str:
-    entries = [results[name] for name in TABLE if name in results]
-    machines = {json.dumps(e["machine"], sort_keys=True) for e in entries}
-    lines = []
-    for m in sorted(machines):
-        m = json.loads(m)
-        lines.append(
-            f"Measured on {m['cores']} cores ({m['cpu_model']}), {m['memory_gib']} GiB; "
-            "each row names the commit and date of its run. Wall time of the benches and samples: "
-            f"{sum(e['wall_s'] for e in results.values()) / 60:.0f} min."
-        )
-    lines += ["", "| command | what | figures | run |", "|---|---|---|---|"]
-    for name, (what, cell) in TABLE.items():
-        if name not in results:
-            continue
-        e = results[name]
-        run = f"{(e['commit'] or '?')[:8]}{'+' if e['dirty'] else ''}, {e['date'][:10]}"
-        lines.append(f"| `{e['command']}` | {what} | {cell(e['figures'])} | {run} |")
-    return "\n".join(lines) + "\n"
+def format_value(value: Any, spec: str) -> str:
+    """A format spec: "LIST F" (LIST_FORMATS), a name in FORMATS, or Python's own (".3f")."""
+    head, _, each = spec.partition(" ")
+    if each:
+        return LIST_FORMATS[head](value, lambda item: format_value(item, each))
+    if spec in FORMATS:
+        return FORMATS[spec](value)
+    return format(value, spec)
 
 
-def sample(name: str, keep: Callable[[list[str]], list[str]]) -> Callable[[dict], str]:
-    def render(results: dict[str, dict[str, Any]]) -> str:
-        e = results[name]
-        lines = keep(e["output"].splitlines())
-        return "```\n$ " + e["command"] + "\n" + "\n".join(lines) + "\n```\n"
-
-    return render
+# --- templates ----------------------------------------------------------------------------
 
 
-# bench/search_algorithms.py's rows: the three arms on PBT's shape, then random vs TPE on many
-# short trials, where TPE has results to learn from.
-SEARCH_ROWS = ("search_algorithms", "search_algorithms_many_trials")
+@dataclass(frozen=True)
+class When:
+    """`then` where the test holds, else `otherwise`: the test is a dotted path that must be
+    present and not None (a figure older rows lack), or a function of the figures."""
+
+    test: str | Callable[[Figures], bool]
+    then: Template
+    otherwise: Template = ""
+
+    def holds(self, figures: Figures) -> bool:
+        if callable(self.test):
+            return self.test(figures)
+        return get(figures, self.test, None) is not None
 
 
-def search_algorithms(results: dict[str, dict[str, Any]]) -> str:
-    """Random vs TPE vs PBT on one budget: best val loss, wall time, epochs, per arm; one
-    table per row of SEARCH_ROWS that was run."""
-    return "\n".join(_search_table(results[name]) for name in SEARCH_ROWS if name in results)
+Template = str | When | tuple["Template", ...]
 
 
-def _search_table(e: dict[str, Any]) -> str:
-    f = e["figures"]
-    pbt = "pbt" in f["arms"]
+class _FiguresFormatter(string.Formatter):
+    """str.format whose fields are dotted paths into the figures and whose specs may be names."""
+
+    def get_field(self, field_name: str, args: Any, kwargs: Any) -> tuple[Any, str]:
+        return get(args[0], field_name), field_name
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        return format_value(value, format_spec)
+
+
+def fill(template: Template, figures: Figures) -> str:
+    if isinstance(template, str):
+        return _FiguresFormatter().vformat(template, (figures,), {})
+    if isinstance(template, When):
+        return fill(template.then if template.holds(figures) else template.otherwise, figures)
+    return "".join(fill(part, figures) for part in template)
+
+
+def run_stamp(entry: dict[str, Any]) -> str:
+    """The commit (+ when the tree was dirty) and date of the run that wrote an entry."""
+    return f"{(entry['commit'] or '?')[:8]}{'+' if entry['dirty'] else ''}, {entry['date'][:10]}"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    def line(cells: list[str]) -> str:
+        return "|" + "".join(f" {cell} |" if cell else " |" for cell in cells)
+
+    return [line(header), "|" + "---|" * len(header), *map(line, rows)]
+
+
+# --- the benchmarks table: one row per bench, its figures in one cell ----------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    """One bench's row: `command` | what | figures (the template, filled) | run."""
+
+    bench: str
+    what: str
+    figures: Template
+    # figures worked out from the recorded ones, for the template (e.g. a run picked from a list)
+    derive: Callable[[Figures], Figures] | None = None
+
+    def cells(self, entry: dict[str, Any]) -> list[str]:
+        figures = entry["figures"]
+        if self.derive:
+            figures = {**figures, **self.derive(figures)}
+        return [f"`{entry['command']}`", self.what, fill(self.figures, figures), run_stamp(entry)]
+
+
+def _memory_wall_runs(figures: Figures) -> Figures:
+    """memory_wall's runs by strategy and workers ("fsdp_2"): the bench makes one of each."""
+    runs = {f"{run['strategy']}_{run['workers']}": run for run in figures["runs"]}
+    if len(runs) != len(figures["runs"]):
+        raise ValueError("memory_wall: two runs of one strategy at one worker count")
+    return {"run": runs}
+
+
+def _overlap_sides(figures: Figures) -> Figures:
+    """overlap's two settings, named by the values compared: low and high."""
+    low, high = (str(value) for value in figures["compared"])
+    sides = figures["sides"]
+    return {"low": low, "high": high, "low_side": sides[low], "high_side": sides[high]}
+
+
+ASHA = When(
+    lambda figures: len(figures["seeds"]) > 1,
+    (  # one search per seed: the medians of the per-seed figures
+        "{seeds:count} random searches (seeds {seeds:list}) of {trials} trials of at most "
+        "{max_epochs} epochs",
+        # what differs from the defaults; rows from before the option name no strategy
+        When("model.corpus_bytes", ", a {model.corpus_bytes:kilobytes} corpus"),
+        When("asha_settings.strategy", "{asha_settings.strategy:asha_strategy}"),
+        ", each run by both arms: `wall_ratio` **{wall_ratio:ratio}** ({wall_ratio_min:ratio}–"
+        "{wall_ratio_max:ratio}), `best_metric_gap` **{best_metric_gap:.3f}** "
+        "({best_metric_gap_min:.3f}–{best_metric_gap_max:.3f}) (medians over the seeds, "
+        "min–max); wall per sweep ASHA {asha:sweep_wall} vs {no_stopping:sweep_wall}, epochs "
+        "trained {asha.epochs_trained_median:g} vs {no_stopping.epochs_trained_median:g} "
+        "(medians over all sweeps)",
+        When(
+            "first_epochs_kept",
+            "; without stopping, the best config first ranks in a rung's top 1/reduction_factor "
+            "after epoch {first_epochs_kept:list} (per seed): a rung before that stops it",
+        ),
+    ),
+    "{trials} trials of at most {max_epochs} epochs: `wall_ratio` **{wall_ratio:ratio}** (ASHA "
+    "{asha:sweep_wall} vs {no_stopping:sweep_wall}, medians (min–max) of {repeats} alternated "
+    "repeats), epochs trained {asha.epochs_trained_median:g} vs "
+    "{no_stopping.epochs_trained_median:g}, `best_metric_gap` {best_metric_gap:.3f}",
+)
+
+
+def _asha_first_epochs_kept(figures: Figures) -> Figures:
+    """The epoch after which each seed's best config first ranked in a rung's top; none where a
+    search lacks rank_of_best (rows from before the bench recorded the curves)."""
+    per_seed = figures.get("per_seed", [])
+    if not per_seed or not all("rank_of_best" in search for search in per_seed):
+        return {}
+    return {
+        "first_epochs_kept": [search["rank_of_best"]["first_epoch_kept"] for search in per_seed]
+    }
+
+
+def _asha_row(bench: str, what: str) -> Row:
+    return Row(bench, what, ASHA, derive=_asha_first_epochs_kept)
+
+
+BENCHMARK_ROWS = (
+    Row(
+        "train_overhead",
+        "2-worker relay `TorchTrainer` vs plain `torchrun`, the same epoch code "
+        "(relay.training.epochs)",
+        "steady samples/s relay {relay_steady_samples_per_s:rate} vs torchrun "
+        "{torchrun_steady_samples_per_s:rate}: `throughput_ratio` **{throughput_ratio:ratio}**; "
+        "end-to-end {end_to_end_throughput_ratio:ratio} (relay spends "
+        "{relay_between_epochs_s:.3f} s between epochs on report + checkpoint); time to the end "
+        "of epoch 1: relay {relay_first_epoch_s:seconds} starting Ray, "
+        "{relay_first_epoch_s_ray_up:seconds} with Ray up, torchrun "
+        "{torchrun_first_epoch_s:seconds}",
+    ),
+    Row(
+        "scaling",
+        "1 → 2 workers, relay and plain torchrun side by side",
+        "`speedup_2w` relay **{speedup_2w:ratio}** ({speedup_2w_min:ratio}–{speedup_2w_max:ratio})"
+        ", torchrun **{torchrun_speedup_2w:ratio}** ({torchrun_speedup_2w_min:ratio}–"
+        "{torchrun_speedup_2w_max:ratio}) (medians of {repeats} alternated rounds, per-round "
+        "spread): relay's / torchrun's **{speedup_vs_torchrun:ratio}**; samples/s relay / "
+        "torchrun {relay_vs_torchrun_1w:ratio} at 1 worker, {relay_vs_torchrun_2w:ratio} at 2; "
+        "`fraction_of_measured_matmul_peak` {fraction_of_measured_matmul_peak:ratio} at 2 "
+        "workers ({fraction_of_measured_matmul_peak_1w:ratio} at 1); gradient comm "
+        "{comm_fraction:percent} of compute + comm; while 2 workers train, the rest of the "
+        "process tree (Ray's daemons and actors, the driver) uses "
+        "{support_cpu_cores.relay.2:.2f} cores beside relay's workers, "
+        "{support_cpu_cores.torchrun.2:.2f} beside torchrun's",
+    ),
+    Row(
+        "scaling_hosts",
+        "the network hop: the same 2 workers one per namespace host vs both on one",
+        "samples/s with 1 worker on each of 2 namespace hosts {samples_per_s.two_hosts:spread rate}"
+        " vs both on one host {samples_per_s.one_host:spread rate}: `two_hosts_vs_one_host` "
+        "**{two_hosts_vs_one_host:ratio}** (medians of {repeats} alternated runs each; the "
+        "second host's link carried {two_hosts_link_bytes:spread megabytes} per run)",
+        derive=lambda f: {
+            "two_hosts_link_bytes": [
+                run["host1_link_bytes"] for run in f["runs"] if run["side"] == "two_hosts"
+            ]
+        },
+    ),
+    Row(
+        "strategies",
+        "ddp / zero1 / fsdp × fp32 / bf16 on 2 workers",
+        (
+            "measured state per rank (live tensors after a step, each storage once): "
+            "`fsdp_state_ratio` **{fsdp_state_ratio:ratio}**, zero1 {zero1_state_ratio:ratio} "
+            "of ddp; peak RSS growth per rank fsdp/ddp {fsdp_rss_growth_ratio:ratio}; ",
+            When("bf16_speedup", "`bf16_speedup` **{bf16_speedup:ratio}** (ddp)", "{bf16_skipped}"),
+        ),
+    ),
+    Row(
+        "memory_wall",
+        "a 63 M-parameter MLP: memory per rank by strategy at 2 and 4 workers; save times",
+        (
+            "peak RSS growth of the fullest rank, fsdp/ddp: **{fsdp_over_ddp_growth_2:ratio}** "
+            "at 2 workers, **{fsdp_over_ddp_growth_4:ratio}** at 4 (zero1/ddp "
+            "{zero1_over_ddp_growth_2:ratio}, {zero1_over_ddp_growth_4:ratio}); "
+            "ddp {run.ddp_2.growth_bytes_per_rank:max mib} (plan "
+            "{run.ddp_2.plan_total_bytes:mib}), fsdp {run.fsdp_2.growth_bytes_per_rank:max mib} "
+            "(plan {run.fsdp_2.plan_total_bytes:mib}) at 2, fsdp "
+            "{run.fsdp_4.growth_bytes_per_rank:max mib} (plan {run.fsdp_4.plan_total_bytes:mib}) "
+            "at 4; ",
+            When(
+                "fsdp_over_ddp_startup_2",
+                "start-up alone (building the model, fsdp on the meta device), fsdp/ddp: "
+                "**{fsdp_over_ddp_startup_2:ratio}** at 2 workers, "
+                "**{fsdp_over_ddp_startup_4:ratio}** at 4 (fullest rank: ddp "
+                "{run.ddp_2.startup_growth_bytes_per_rank:max mib}, fsdp "
+                "{run.fsdp_2.startup_growth_bytes_per_rank:max mib} at 2, "
+                "{run.fsdp_4.startup_growth_bytes_per_rank:max mib} at 4); ",
+            ),
+            "checkpoint save at 2 workers gathered {save_gathered_s:seconds} vs sharded "
+            "{save_sharded_s:seconds} (**{save_sharded_over_gathered:ratio}**)",
+            When(
+                "activations_over_plan_worst",
+                "; measured/plan, the furthest from 1 over the runs: state "
+                "{state_over_plan_worst:ratio}, activations {activations_over_plan_worst:ratio}",
+            ),
+        ),
+        derive=_memory_wall_runs,
+    ),
+    Row(
+        "checkpoint_upload",
+        "the same model: a checkpoint every epoch copied to storage async vs sync vs none",
+        "a checkpoint every epoch (fsdp, 2 workers, sharded), copied to storage beside the next "
+        "epoch (async) vs waited for (sync) vs none between epochs: step-time hit async "
+        "**{async_step_time_hit:percent}** (sync {sync_step_time_hit:percent}; samples/s "
+        "{sides.async.samples_per_s.median:rate}, {sides.sync.samples_per_s.median:rate}, "
+        "{sides.none.samples_per_s.median:rate}; none's own runs spread "
+        "{sides.none.samples_per_s.min:rate}–{sides.none.samples_per_s.max:rate}); training "
+        "held up per epoch {stall_s.async:seconds} async, {stall_s.sync:seconds} sync, "
+        "{stall_s.none:seconds} none; medians of {repeats} alternated runs",
+    ),
+    _asha_row("asha_vs_random", "ASHA vs no stopping over the same random trials"),
+    _asha_row(
+        "asha_vs_random_9x9",
+        "the same, on a sweep of 9 trials of up to 9 epochs (ASHA's rungs 1, 3, 9)",
+    ),
+    _asha_row(
+        "asha_vs_random_promote",
+        "the 9-trial sweep with ASHA by promotions, where epochs are long next to a start-up",
+    ),
+    _asha_row(
+        "asha_vs_random_stop_160k",
+        "the same sweeps as the row above with Ray's stopping rule (`asha.strategy: stop`)",
+    ),
+    Row(
+        "startup",
+        "per-run start-up: a Tune trial and a run vs a bare TorchTrainer; switches vs Ray's",
+        "per-trial start-up (in Tune, relay's `fit()` → first step) **{trial_startup_s:seconds}** "
+        "({sides.relay.trial.total_s.min:seconds}–{sides.relay.trial.total_s.max:seconds}), a "
+        "`relay train` run {run_startup_s:seconds}, next to the bare `TorchTrainer` floor "
+        "{floor_s:seconds} (`fit()` → its loop's first line); {workers} workers, medians of "
+        "{repeats} alternated repeats; relay's switches save (Ray's defaults minus relay's) "
+        "{saved_s.ray_defaults.run:+.1f} s per run, {saved_s.ray_defaults.trial:+.1f} s per trial",
+    ),
+    Row(
+        "overlap",
+        "one more trial than fits, started while others train, vs none",
+        "ASHA sweep wall time with `overlap: {high}` / `overlap: {low}`: `wall_ratio` "
+        "**{wall_ratio:ratio}** ({high_side.wall_s_median:seconds} vs "
+        "{low_side.wall_s_median:seconds}, medians of {repeats} alternated repeats; {trials} "
+        "trials of at most {max_epochs} epochs), epochs trained "
+        "{high_side.epochs_trained_median:g} vs {low_side.epochs_trained_median:g}",
+        derive=_overlap_sides,
+    ),
+    Row(
+        "serve_load",
+        "`relay serve` (HAProxy, Python proxy) vs a plain FastAPI server",
+        "tiny model, c=32: relay (HAProxy) {levels.tiny.haproxy.32.rps:rate} vs plain "
+        "{levels.tiny.plain.32.rps:rate} req/s (`throughput_ratio_c32` "
+        "**{throughput_ratio_c32:ratio}**, `p99_ratio_c32` {p99_ratio_c32:ratio}); Python proxy "
+        "{proxy_ratio_c32:ratio}; heavy model batched vs plain "
+        "**{batched_throughput_ratio_c32:ratio}**; version swaps under load: "
+        "**{swap_failed_requests}** failed of {swap_requests:,}",
+    ),
+    Row(
+        "serve_multiplex",
+        "several models on one endpoint: relay's model table vs Serve's multiplexing",
+        "two models on one replica, Serve's multiplexing / relay's table at c=32 "
+        "**{multiplexed_ratio_c32:ratio}**; a model's first request "
+        "{cold_first_ms_heavy.multiplexed:.0f} vs {cold_first_ms_heavy.table:.0f} ms (68 MB "
+        "models), {cold_first_ms.multiplexed:.0f} vs {cold_first_ms.table:.0f} ms (tiny)",
+    ),
+    Row(
+        "ingest",
+        "data from Parquet files vs a DataLoader and vs in memory",
+        "rows/s to 2 workers from Parquet, tokenised on the way: Ray Data "
+        "{rows_per_s.ray_data.median:rate} vs `DataLoader` {rows_per_s.dataloader.median:rate} "
+        "(`ray_data_vs_dataloader` **{ray_data_vs_dataloader:ratio}**), already in memory "
+        "{rows_per_s.in_memory.median:rate}; charlm debug trainers wait for input "
+        "{trainer_idle_share:percent} of the training pass",
+    ),
+)
+
+
+def benchmarks(results: Results) -> str:
+    entries = [results[row.bench] for row in BENCHMARK_ROWS if row.bench in results]
+    machines = sorted({json.dumps(e["machine"], sort_keys=True) for e in entries})
+    minutes = sum(e["wall_s"] for e in results.values()) / 60
     lines = [
-        f"{f['trials']} trials x {f['epochs']} epochs of {f['task']}/{f['size']} per sweep "
-        f"(budget {f['budget_epochs']} epochs"
-        + (f"; PBT every {f['pbt_interval']} epochs" if pbt else "")
-        + f"), seeds {', '.join(map(str, f['seeds']))}; median (min–max) over the seeds. "
-        + (
-            f"Random and TPE run {f['search_concurrency']} trial(s) at a time (TPE chooses "
-            "from finished trials' results)" + (", PBT its whole population. " if pbt else ". ")
-            if "search_concurrency" in f
-            else ""
-        )
-        + f"Run: `{e['command']}`, {(e['commit'] or '?')[:8]}{'+' if e['dirty'] else ''}, "
-        f"{e['date'][:10]}.",
-        "",
-        f"| search | best {f['metric']} | vs random | wall | epochs trained |",
-        "|---|---|---|---|---|",
+        f"Measured on {m['cores']} cores ({m['cpu_model']}), {m['memory_gib']} GiB; each row "
+        "names the commit and date of its run. Wall time of the benches and samples: "
+        f"{minutes:.0f} min."
+        for m in map(json.loads, machines)
     ]
-    for arm in f["arms"]:
-        best = [s["best"] for s in f["sweeps"] if s["arm"] == arm]
-        walls = [s["wall_s"] for s in f["sweeps"] if s["arm"] == arm]
-        epochs = [s["epochs_trained"] for s in f["sweeps"] if s["arm"] == arm]
-        versus = f["best_vs_random"].get(arm)
-        lines.append(
-            f"| {arm} | {spread(best, lambda v: f'{v:.4f}')} | "
-            f"{ratio(versus) if versus is not None else '—'} | {spread(walls, seconds)} | "
-            f"{spread(epochs, lambda v: f'{v:g}')} |"
-        )
-    return "\n".join(lines) + "\n"
+    header = ["command", "what", "figures", "run"]
+    rows = [row.cells(results[row.bench]) for row in BENCHMARK_ROWS if row.bench in results]
+    return "\n".join([*lines, "", *markdown_table(header, rows)]) + "\n"
+
+
+# --- blocks of their own: an intro naming the run, a table, maybe a closing paragraph ------
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A table of one figure per (row, column). Each row is (label template, dotted path with
+    "{column}" where a column's key goes, format spec of the value there)."""
+
+    corner: str
+    columns: tuple[tuple[str, str], ...]  # (header, key)
+    rows: tuple[tuple[Template, str, str], ...]
+    absent: str | None = None  # a missing value's cell; None: a missing value is an error
+
+    def __call__(self, figures: Figures) -> list[str]:
+        header = [self.corner, *(header for header, _ in self.columns)]
+        rows = [
+            [
+                fill(label, figures),
+                *(self._cell(figures, path, spec, key) for _, key in self.columns),
+            ]
+            for label, path, spec in self.rows
+        ]
+        return markdown_table(header, rows)
+
+    def _cell(self, figures: Figures, path: str, spec: str, column: str) -> str:
+        path = path.format(column=column)
+        if self.absent is None:
+            return format_value(get(figures, path), spec)
+        value = get(figures, path, None)
+        return self.absent if value is None else format_value(value, spec)
+
+
+@dataclass(frozen=True)
+class Section:
+    """A block for one bench: an intro ending with the run that measured it, a table (figures →
+    markdown lines), and a closing paragraph where there is one."""
+
+    bench: str
+    intro: Template
+    table: Callable[[Figures], list[str]]
+    outro: Template = ""
+
+    def __call__(self, results: Results) -> str:
+        entry = results[self.bench]
+        figures = entry["figures"]
+        intro = f"{fill(self.intro, figures)} Run: `{entry['command']}`, {run_stamp(entry)}."
+        outro = ["", fill(self.outro, figures)] if self.outro else []
+        return "\n".join([intro, "", *self.table(figures), *outro]) + "\n"
 
 
 # bench/startup.py's parts, one row each: (label, key in each run's figures).
-STARTUP_ROWS = (
+STARTUP_PARTS = (
     ("relay's work before `TorchTrainer.fit()` (config, task data)", "prepare_s"),
     ("controller actor up", "controller_s"),
     ("worker group: placement group, worker actors, process group", "worker_group_s"),
@@ -548,34 +494,159 @@ STARTUP_ROWS = (
     ("first step", "first_step_s"),
     ("**`fit()` → first step** (bare TorchTrainer: → its loop's first line)", "total_s"),
 )
+STARTUP = Section(
+    "startup",
+    "Median (min–max) of {repeats} alternated repeats, {workers} workers, {task} ({size}), "
+    "each side on its own fresh cluster after a warm-up run.",
+    Grid(
+        "part",
+        columns=(
+            ("bare TorchTrainer", "ray_defaults.floor"),
+            ("relay run", "relay.run"),
+            ("relay trial (Tune)", "relay.trial"),
+            ("trial, Ray's defaults", "ray_defaults.trial"),
+        ),
+        rows=tuple(
+            (label, f"sides.{{column}}.{key}", "median_range") for label, key in STARTUP_PARTS
+        ),
+        absent="—",  # a part one side does not have (the bare floor builds no relay model)
+    ),
+)
 
-
-def startup_block(results: dict[str, dict[str, Any]]) -> str:
-    """bench/startup.py's parts: the bare floor, a run and a Tune trial; switches on vs off."""
-    e = results["startup"]
-    f = e["figures"]
-
-    def part(side: str, run: str, key: str) -> str:
-        s = f["sides"][side][run].get(key)
-        if s is None:
-            return "—"
-        return f"{seconds(s['median'])} ({s['min']:.1f}–{s['max']:.1f})"
-
-    lines = [
-        f"Median (min–max) of {f['repeats']} alternated repeats, {f['workers']} workers, "
-        f"{f['task']} ({f['size']}), each side on its own fresh cluster after a warm-up run. "
-        f"Run: `{e['command']}`, {(e['commit'] or '?')[:8]}{'+' if e['dirty'] else ''}, "
-        f"{e['date'][:10]}.",
+ALTERNATING = "requests alternating between the models"
+SERVE_MULTIPLEX = Section(
+    "serve_multiplex",
+    "Two models on one replica (HAProxy), relay's table vs Serve's `@serve.multiplexed` loading "
+    "the same replica's models on demand; median of {setup.repeats} alternated repeats, "
+    "{setup.seconds_per_level} s per level ({setup.client}).",
+    Grid(
         "",
-        "| part | bare TorchTrainer | relay run | relay trial (Tune) | trial, Ray's defaults |",
-        "|---|---|---|---|---|",
+        columns=(("table", "table"), ("multiplexed", "multiplexed")),
+        rows=(
+            (f"c=1, {ALTERNATING}", "levels.{column}.1", "latency"),
+            (f"c=32, {ALTERNATING}", "levels.{column}.32", "latency"),
+            ("first request to a model (tiny), slower of the two", "cold_first_ms.{column}", "ms"),
+            (
+                "first request to a model ({setup.sizes.heavy}), slower of the two",
+                "cold_first_ms_heavy.{column}",
+                "ms",
+            ),
+        ),
+    ),
+)
+
+# the serve_load table's rows per model: these servers in this order, then any other by name
+SERVERS_IN_ORDER = (
+    "plain",
+    "haproxy",
+    "haproxy conn-failure retry",
+    "haproxy 2 models",
+    "haproxy serve.batch",
+    "proxy",
+)
+
+
+def serve_load_table(figures: Figures) -> list[str]:
+    """Every server at every level, both models. Code, not a Grid: its columns are the levels
+    the run measured, its rows the servers each model ran behind (two label columns), and not
+    every server ran at every level."""
+    by_model = figures["levels"]
+    levels = sorted({int(c) for sides in by_model.values() for s in sides.values() for c in s})
+
+    def server_rank(name: str) -> int:
+        return SERVERS_IN_ORDER.index(name) if name in SERVERS_IN_ORDER else 9
+
+    def cell(measured: dict[str, Any] | None) -> str:
+        return "—" if measured is None else format_value(measured, "latency_short")
+
+    rows = [
+        [model, side, *(cell(by_model[model][side].get(str(c))) for c in levels)]
+        for model in ("tiny", "heavy")
+        for side in sorted(by_model[model], key=server_rank)
     ]
-    for label, key in STARTUP_ROWS:
-        lines.append(
-            f"| {label} | {part('ray_defaults', 'floor', key)} | {part('relay', 'run', key)} | "
-            f"{part('relay', 'trial', key)} | {part('ray_defaults', 'trial', key)} |"
-        )
-    return "\n".join(lines) + "\n"
+    return markdown_table(["model", "server", *(f"c={c}" for c in levels)], rows)
+
+
+SERVE_LOAD = Section(
+    "serve_load",
+    "req/s, then p50 / p99 latency, median of {setup.repeats} alternated repeats "
+    "({setup.seconds_per_level} s per level, {setup.client}); tiny: {setup.models.tiny}, heavy: "
+    "{setup.models.heavy}. A lone request through HAProxy: p50 {p50_gap_ms_c1:+.2f} ms against "
+    "plain.",
+    serve_load_table,
+    "Version swaps under load (tiny model, HAProxy, c=32, `relay deploy` alternating 1 → 2 → 1 "
+    "in {swap_windows.swap:count} windows of {setup.swap_seconds} s, each beside a steady "
+    "window): **{swap_failed_requests}** failed requests of {swap_requests:,} (steady windows: "
+    "{steady_failed_requests}); p99 {swap_p99_ms:.1f} ms during a swap vs {steady_p99_ms:.1f} ms "
+    "steady (max {swap_max_ms:.1f} vs {steady_max_ms:.1f} ms); `relay deploy` took "
+    "{deploy_s:.1f} s (a new Ray driver, the redeploy, the check). A second model in the table: "
+    "{two_models_ratio_c32:ratio}× the one-model throughput at c=32. relay's HAProxy retry "
+    "policy (`conn-failure empty-response`) against Serve's (`conn-failure`): c=1 p50 "
+    "{retry_p50_gap_ms_c1:+.2f} ms, c=32 {retry_throughput_ratio_c32:ratio}× the throughput "
+    "(heavy, batched: {retry_batched_ratio_c32:ratio}×).",
+)
+
+
+def search_table(figures: Figures) -> list[str]:
+    """Random vs TPE vs PBT on one budget, per arm. Code, not a Grid: the rows are the arms the
+    run had, each cell a spread over that arm's sweeps."""
+
+    def over_sweeps(arm: str, key: str, spec: str) -> str:
+        measured = [sweep[key] for sweep in figures["sweeps"] if sweep["arm"] == arm]
+        return format_value(measured, f"spread {spec}")
+
+    def versus_random(arm: str) -> str:
+        versus = figures["best_vs_random"].get(arm)
+        return "—" if versus is None else format_value(versus, "ratio")
+
+    header = ["search", f"best {figures['metric']}", "vs random", "wall", "epochs trained"]
+    rows = [
+        [
+            arm,
+            over_sweeps(arm, "best", ".4f"),
+            versus_random(arm),
+            over_sweeps(arm, "wall_s", "seconds"),
+            over_sweeps(arm, "epochs_trained", "g"),
+        ]
+        for arm in figures["arms"]
+    ]
+    return markdown_table(header, rows)
+
+
+def _has_pbt(figures: Figures) -> bool:
+    return "pbt" in figures["arms"]
+
+
+SEARCH = Section(
+    "search_algorithms",
+    (
+        "{trials} trials x {epochs} epochs of {task}/{size} per sweep (budget {budget_epochs} "
+        "epochs",
+        When(_has_pbt, "; PBT every {pbt_interval} epochs"),
+        "), seeds {seeds:list}; median (min–max) over the seeds.",
+        When(
+            "search_concurrency",
+            (
+                " Random and TPE run {search_concurrency} trial(s) at a time (TPE chooses from "
+                "finished trials' results)",
+                When(_has_pbt, ", PBT its whole population.", "."),
+            ),
+        ),
+    ),
+    search_table,
+)
+# bench/search_algorithms.py's rows: the three arms on PBT's shape, then random vs TPE on many
+# short trials, where TPE has results to learn from.
+SEARCH_ROWS = ("search_algorithms", "search_algorithms_many_trials")
+
+
+def search_algorithms(results: Results) -> str:
+    """One table per row of SEARCH_ROWS that was run."""
+    tables = (replace(SEARCH, bench=name)(results) for name in SEARCH_ROWS if name in results)
+    return "\n".join(tables)
+
+
+# --- sample outputs -----------------------------------------------------------------------
 
 
 def _train_lines(lines: list[str]) -> list[str]:
@@ -592,19 +663,32 @@ def _report_lines(lines: list[str]) -> list[str]:
     return ["...", *lines[start:end]]
 
 
-BLOCKS: dict[str, Callable[[dict[str, dict[str, Any]]], str]] = {
+@dataclass(frozen=True)
+class Sample:
+    """A command and its output as the bench recorded them, cut to the lines the page shows."""
+
+    bench: str
+    keep: Callable[[list[str]], list[str]] = list
+
+    def __call__(self, results: Results) -> str:
+        entry = results[self.bench]
+        lines = self.keep(entry["output"].splitlines())
+        return "```\n$ " + entry["command"] + "\n" + "\n".join(lines) + "\n```\n"
+
+
+BLOCKS: dict[str, Callable[[Results], str]] = {
     "benchmarks": benchmarks,
-    "sample_train": sample("sample_train", _train_lines),
-    "sample_report": sample("sample_report", _report_lines),
-    "sample_plan": sample("sample_plan", lambda lines: lines),
-    "startup": startup_block,
+    "sample_train": Sample("sample_train", _train_lines),
+    "sample_report": Sample("sample_report", _report_lines),
+    "sample_plan": Sample("sample_plan"),
+    "startup": STARTUP,
     "search_algorithms": search_algorithms,
-    "serve_load": serve_load_block,
-    "serve_multiplex": serve_multiplex_block,
+    "serve_load": SERVE_LOAD,
+    "serve_multiplex": SERVE_MULTIPLEX,
 }
 
 
-def render(page: str, results: dict[str, dict[str, Any]], where: str = "README.md") -> str:
+def render(page: str, results: Results, where: str = "README.md") -> str:
     def block(match: re.Match) -> str:
         name = match["name"]
         if name not in BLOCKS:
