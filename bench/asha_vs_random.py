@@ -48,13 +48,11 @@ import json
 import math
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 
-from rounds import alternated
-
+from harness import alternated, print_results, scratch, side_spreads, spread, spread_text
 from relay.config import sweep_from_dict
 from relay.records import history, registry
 from relay.runtime import cluster
@@ -191,15 +189,6 @@ def run_sweep(args, storage: Path, arm: str, seed: int) -> dict:
     }
 
 
-def spread(key: str, values: list[float]) -> dict[str, float]:
-    """`<key>_median`, `<key>_min`, `<key>_max` over an arm's repeats."""
-    return {
-        f"{key}_median": statistics.median(values),
-        f"{key}_min": min(values),
-        f"{key}_max": max(values),
-    }
-
-
 def describe(config: dict) -> str:
     return " ".join(
         f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in config.items()
@@ -211,14 +200,7 @@ KEYS = ("wall_s", "epochs_trained", "best", "startup_s")
 
 def arm_spreads(runs: list[dict]) -> dict[str, dict[str, float]]:
     """Per arm, the median and spread of each of KEYS over its sweeps in `runs`."""
-    return {
-        arm: {
-            name: value
-            for key in KEYS
-            for name, value in spread(key, [run[key] for run in runs if run["arm"] == arm]).items()
-        }
-        for arm in ARMS
-    }
+    return side_spreads(runs, "arm", ARMS, KEYS, flat=True)
 
 
 def print_search(args, seed: int, configs: list[dict], arms: dict) -> None:
@@ -231,11 +213,7 @@ def print_search(args, seed: int, configs: list[dict], arms: dict) -> None:
         print(f"  trial {i}: {describe(config)}")
     print(f"{'':18}{'ASHA':>26}{'no stopping':>26}")
     for key, fmt in zip(KEYS, ("{:.1f}", "{:.0f}", "{:.4f}", "{:.1f}"), strict=True):
-        cells = [
-            f"{fmt.format(s[key + '_median'])} "
-            f"({fmt.format(s[key + '_min'])}-{fmt.format(s[key + '_max'])})"
-            for s in (arms["asha"], arms["full"])
-        ]
+        cells = [spread_text(s, fmt, f"{key}_") for s in (arms["asha"], arms["full"])]
         print(f"{key:<18}{cells[0]:>26}{cells[1]:>26}")
 
 
@@ -250,7 +228,7 @@ def main() -> int:
         flush=True,
     )
     cluster.connect()
-    with tempfile.TemporaryDirectory(prefix="relay-bench-asha-") as tmp:
+    with scratch("asha") as tmp:
         runs = [
             run_sweep(args, Path(tmp) / f"{i}-{arm}", arm, seed)
             for i, (seed, arm) in enumerate(order)
@@ -297,18 +275,17 @@ def main() -> int:
     if len(per_seed) > 1:
         print(
             f"\nover {len(per_seed)} seeds, median (min-max): wall_ratio "
-            f"{statistics.median(wall_ratios):.3f} "
-            f"({min(wall_ratios):.3f}-{max(wall_ratios):.3f}), "
-            f"best_metric_gap {statistics.median(gaps):.4f} ({min(gaps):.4f}-{max(gaps):.4f})"
+            f"{spread_text(spread(wall_ratios), '{:.3f}')}, "
+            f"best_metric_gap {spread_text(spread(gaps), '{:.4f}')}"
         )
     arms = arm_spreads(runs)
     figures = {
         # one seed: median ASHA wall / median no-stopping wall, and the gap of the medians;
         # several: the medians of those per-seed figures
         "wall_ratio": statistics.median(wall_ratios),
-        **spread("wall_ratio", wall_ratios),
+        **spread(wall_ratios, prefix="wall_ratio_"),
         "best_metric_gap": statistics.median(gaps),
-        **spread("best_metric_gap", gaps),
+        **spread(gaps, prefix="best_metric_gap_"),
         "metric": runs[0]["metric"],
         "asha": arms["asha"],  # over every sweep of the arm, all seeds
         "no_stopping": arms["full"],
@@ -329,7 +306,7 @@ def main() -> int:
             "strategy": args.strategy,
         },
     }
-    print(json.dumps(figures))
+    print_results(figures)
     return 0
 
 

@@ -29,16 +29,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from foreign_cpu import busy_text, fit_watched, warn_if_busy
+
+from harness import alternated_sides, median_of, print_results, relay_home, side_spreads
 
 SIDES = ("none", "sync", "async")
 
@@ -80,16 +78,12 @@ def measure_run(args: argparse.Namespace, storage: Path, side: str) -> dict[str,
     ]
     return {
         "side": side,
-        "samples_per_s": statistics.median(r["samples_per_s"] for r in later),
+        "samples_per_s": median_of(later, "samples_per_s"),
         "stall_s": statistics.median(stalls),
         "stalls_s": [round(s, 3) for s in stalls],
         "wall_s": round(wall_s, 1),
         "foreign_cpu_cores": others.cores,
     }
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,57 +100,41 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     started = time.perf_counter()
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="relay-bench-upload-") as tmp:
-        os.environ["RELAY_HOME"] = tmp
-        os.environ["RAY_ADDRESS"] = "local"
-        try:
-            for repeat in range(args.repeats):
-                # Alternate the order too, so no side always runs first (on a cold page cache).
-                order = SIDES if repeat % 2 == 0 else tuple(reversed(SIDES))
-                for side in order:
-                    run = measure_run(args, Path(tmp), side)
-                    runs.append(run)
-                    print(
-                        f"{side}: {run['samples_per_s']:,.0f} samples/s, stall "
-                        f"{run['stall_s']:.2f} s per epoch ({run['stalls_s']}); wall "
-                        f"{run['wall_s']} s; others' CPU {busy_text(run['foreign_cpu_cores'])}",
-                        flush=True,
-                    )
-        finally:
-            if "ray" in sys.modules:
-                sys.modules["ray"].shutdown()
+    with relay_home("upload") as storage:
+        # Alternate the order too, so no side always runs first (on a cold page cache).
+        for side in alternated_sides(SIDES, args.repeats):
+            run = measure_run(args, storage, side)
+            runs.append(run)
+            print(
+                f"{side}: {run['samples_per_s']:,.0f} samples/s, stall "
+                f"{run['stall_s']:.2f} s per epoch ({run['stalls_s']}); wall "
+                f"{run['wall_s']} s; others' CPU {busy_text(run['foreign_cpu_cores'])}",
+                flush=True,
+            )
 
-    sides = {
-        side: {
-            "samples_per_s": summary([r["samples_per_s"] for r in runs if r["side"] == side]),
-            "stall_s": summary([r["stall_s"] for r in runs if r["side"] == side]),
-        }
-        for side in SIDES
-    }
+    sides = side_spreads(runs, "side", SIDES, ("samples_per_s", "stall_s"))
     baseline = sides["none"]["samples_per_s"]["median"]
 
     def hit(side: str) -> float:
         """How much longer a training step took than with nothing between epochs."""
         return baseline / sides[side]["samples_per_s"]["median"] - 1.0
 
-    print(
-        json.dumps(
-            {
-                "bench": "checkpoint_upload",
-                "model": {"hidden": [args.width] * args.layers},
-                "strategy": "fsdp",
-                "workers": 2,
-                "epochs": args.epochs,
-                "repeats": args.repeats,
-                "async_step_time_hit": hit("async"),
-                "sync_step_time_hit": hit("sync"),
-                "stall_s": {side: sides[side]["stall_s"]["median"] for side in SIDES},
-                "sides": sides,
-                "runs": runs,
-                "busy_runs": warn_if_busy(runs),
-                "wall_s": round(time.perf_counter() - started, 1),
-            }
-        )
+    print_results(
+        {
+            "bench": "checkpoint_upload",
+            "model": {"hidden": [args.width] * args.layers},
+            "strategy": "fsdp",
+            "workers": 2,
+            "epochs": args.epochs,
+            "repeats": args.repeats,
+            "async_step_time_hit": hit("async"),
+            "sync_step_time_hit": hit("sync"),
+            "stall_s": {side: sides[side]["stall_s"]["median"] for side in SIDES},
+            "sides": sides,
+            "runs": runs,
+            "busy_runs": warn_if_busy(runs),
+            "wall_s": round(time.perf_counter() - started, 1),
+        }
     )
 
 

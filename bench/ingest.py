@@ -29,7 +29,6 @@ Ends with one JSON line: per side the rate, `ray_data_vs_dataloader` (median rat
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -40,8 +39,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from rounds import alternated_sides
 
+from harness import alternated_sides, print_results, scratch, spread
 from relay.config import RunConfig, from_dict
 from relay.runtime import cluster
 from relay.tasks import build_task
@@ -239,13 +238,9 @@ def through_dataloader(cfg: RunConfig, args, epochs: int) -> list[dict]:
 # --- the run -------------------------------------------------------------------------------
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def main() -> int:
     args = parse_args()
-    with tempfile.TemporaryDirectory(prefix="relay-bench-ingest-") as tmp:
+    with scratch("ingest") as tmp:
         corpus = write_corpus(Path(tmp), args.corpus_bytes)
         cfg = run_config(corpus, args, args.epochs)
         # As `relay train` starts it for this config: one CPU more than the 2 workers reserve,
@@ -292,7 +287,7 @@ def main() -> int:
         "epochs": args.epochs,
         "repeats": args.repeats,
     }
-    print(json.dumps(figures))
+    print_results(figures)
     return 0
 
 

@@ -43,16 +43,14 @@ The last stdout line is one JSON object. About 10 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from foreign_cpu import busy_text, fit_watched, warn_if_busy
+
+from harness import print_results, relay_home, scratch, spread
 
 MiB = 1024 * 1024
 RUNS = (("ddp", 2), ("zero1", 2), ("fsdp", 2), ("ddp", 4), ("zero1", 4), ("fsdp", 4))
@@ -188,7 +186,7 @@ def measure_saves(args: argparse.Namespace) -> dict[str, Any]:
         port = s.getsockname()[1]
     context = mp.get_context("spawn")
     out = context.SimpleQueue()
-    with tempfile.TemporaryDirectory(prefix="relay-bench-save-") as directory:
+    with scratch("save") as directory:
         processes = [
             context.Process(target=_save_worker, args=(r, args, port, directory, out))
             for r in range(2)
@@ -199,12 +197,7 @@ def measure_saves(args: argparse.Namespace) -> dict[str, Any]:
         for p in processes:
             p.join()
     summary = {
-        name: {
-            "median_s": statistics.median(values),
-            "min_s": min(values),
-            "max_s": max(values),
-            "all_s": [round(v, 3) for v in values],
-        }
+        name: {**spread(values, suffix="_s"), "all_s": [round(v, 3) for v in values]}
         for name, values in times.items()
     }
     summary["sharded_over_gathered"] = (
@@ -233,31 +226,25 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     runs: list[dict[str, Any]] = []
     if not args.skip_runs:
-        with tempfile.TemporaryDirectory(prefix="relay-bench-wall-") as tmp:
-            os.environ["RELAY_HOME"] = tmp
-            os.environ["RAY_ADDRESS"] = "local"
-            try:
-                for strategy, workers in RUNS:
-                    run = measure_run(args, Path(tmp), strategy, workers)
-                    runs.append(run)
-                    print(
-                        f"{strategy} x{workers}: growth/rank "
-                        + "/".join(f"{b / MiB:,.0f}" for b in run["growth_bytes_per_rank"])
-                        + " MiB, start-up/rank "
-                        + "/".join(f"{b / MiB:,.0f}" for b in run["startup_growth_bytes_per_rank"])
-                        + " MiB, state/rank "
-                        + "/".join(f"{b / MiB:,.0f}" for b in run["state_bytes_per_rank"])
-                        + f" MiB; plan {run['plan_total_bytes'] / MiB:,.0f} MiB (state "
-                        f"{run['plan_state_bytes'] / MiB:,.0f}); growth/plan "
-                        f"{run['growth_over_plan']:.2f}, state/plan {run['state_over_plan']:.2f}, "
-                        f"activations/plan {run['activations_over_plan']:.2f}; "
-                        f"wall {run['wall_s']} s; others' CPU "
-                        f"{busy_text(run['foreign_cpu_cores'])}",
-                        flush=True,
-                    )
-            finally:
-                if "ray" in sys.modules:
-                    sys.modules["ray"].shutdown()
+        with relay_home("wall") as storage:
+            for strategy, workers in RUNS:
+                run = measure_run(args, storage, strategy, workers)
+                runs.append(run)
+                print(
+                    f"{strategy} x{workers}: growth/rank "
+                    + "/".join(f"{b / MiB:,.0f}" for b in run["growth_bytes_per_rank"])
+                    + " MiB, start-up/rank "
+                    + "/".join(f"{b / MiB:,.0f}" for b in run["startup_growth_bytes_per_rank"])
+                    + " MiB, state/rank "
+                    + "/".join(f"{b / MiB:,.0f}" for b in run["state_bytes_per_rank"])
+                    + f" MiB; plan {run['plan_total_bytes'] / MiB:,.0f} MiB (state "
+                    f"{run['plan_state_bytes'] / MiB:,.0f}); growth/plan "
+                    f"{run['growth_over_plan']:.2f}, state/plan {run['state_over_plan']:.2f}, "
+                    f"activations/plan {run['activations_over_plan']:.2f}; "
+                    f"wall {run['wall_s']} s; others' CPU "
+                    f"{busy_text(run['foreign_cpu_cores'])}",
+                    flush=True,
+                )
     saves = measure_saves(args)
     print(
         "checkpoint save at 2 workers (fsdp): gathered "
@@ -276,31 +263,29 @@ def main(argv: list[str] | None = None) -> None:
 
     startup = "startup_growth_bytes_per_rank"
 
-    print(
-        json.dumps(
-            {
-                "bench": "memory_wall",
-                "model": {"hidden": [args.width] * args.layers},
-                "fsdp_over_ddp_growth_2": ratio("fsdp", 2),
-                "fsdp_over_ddp_growth_4": ratio("fsdp", 4),
-                "zero1_over_ddp_growth_2": ratio("zero1", 2),
-                "zero1_over_ddp_growth_4": ratio("zero1", 4),
-                # Building the model alone (fsdp: on the meta device, each rank materialising
-                # its shards), before any step: the fullest rank's start-up peak over ddp's.
-                "fsdp_over_ddp_startup_2": ratio("fsdp", 2, startup),
-                "fsdp_over_ddp_startup_4": ratio("fsdp", 4, startup),
-                # The plan's terms against the ranks' measured ones: the furthest from 1.
-                "state_over_plan_worst": _worst(runs, "state_over_plan"),
-                "activations_over_plan_worst": _worst(runs, "activations_over_plan"),
-                "save_gathered_s": saves["gathered"]["median_s"],
-                "save_sharded_s": saves["sharded"]["median_s"],
-                "save_sharded_over_gathered": saves["sharded_over_gathered"],
-                "saves": saves,
-                "runs": runs,
-                "busy_runs": warn_if_busy(runs) if runs else 0,
-                "wall_s": round(time.perf_counter() - started, 1),
-            }
-        )
+    print_results(
+        {
+            "bench": "memory_wall",
+            "model": {"hidden": [args.width] * args.layers},
+            "fsdp_over_ddp_growth_2": ratio("fsdp", 2),
+            "fsdp_over_ddp_growth_4": ratio("fsdp", 4),
+            "zero1_over_ddp_growth_2": ratio("zero1", 2),
+            "zero1_over_ddp_growth_4": ratio("zero1", 4),
+            # Building the model alone (fsdp: on the meta device, each rank materialising
+            # its shards), before any step: the fullest rank's start-up peak over ddp's.
+            "fsdp_over_ddp_startup_2": ratio("fsdp", 2, startup),
+            "fsdp_over_ddp_startup_4": ratio("fsdp", 4, startup),
+            # The plan's terms against the ranks' measured ones: the furthest from 1.
+            "state_over_plan_worst": _worst(runs, "state_over_plan"),
+            "activations_over_plan_worst": _worst(runs, "activations_over_plan"),
+            "save_gathered_s": saves["gathered"]["median_s"],
+            "save_sharded_s": saves["sharded"]["median_s"],
+            "save_sharded_over_gathered": saves["sharded_over_gathered"],
+            "saves": saves,
+            "runs": runs,
+            "busy_runs": warn_if_busy(runs) if runs else 0,
+            "wall_s": round(time.perf_counter() - started, 1),
+        }
     )
 
 

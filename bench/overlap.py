@@ -19,16 +19,14 @@ metric, and `wall_ratio` (median wall with the largest overlap / with overlap 0)
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import asha_vs_random as base  # bench/ is the script's directory, so on sys.path
-from rounds import alternated_sides
 
+from harness import alternated_sides, print_results, scratch, side_spreads, spread_text
 from relay.config import sweep_from_dict
 from relay.runtime import cluster
 from relay.tuning import sweep
@@ -77,26 +75,17 @@ def main() -> int:
     sequence = alternated_sides(args.overlaps, args.repeats)
     print(f"{len(sequence)} ASHA sweeps, overlap in this order: {sequence}", flush=True)
     cluster.connect()
-    with tempfile.TemporaryDirectory(prefix="relay-bench-overlap-") as tmp:
+    with scratch("overlap") as tmp:
         runs = [run_sweep(args, Path(tmp) / f"{i}-{o}", o) for i, o in enumerate(sequence)]
     if any(r["configs"] != runs[0]["configs"] for r in runs):
         print("the sweeps drew different trial configs; the comparison would be unfair")
         return 1
     keys = ("wall_s", "epochs_trained", "best", "startup_s")
-    sides = {
-        str(o): {
-            name: value
-            for key in keys
-            for name, value in base.spread(key, [r[key] for r in runs if r["overlap"] == o]).items()
-        }
-        for o in args.overlaps
-    }
+    by_overlap = side_spreads(runs, "overlap", args.overlaps, keys, flat=True)
+    sides = {str(o): spreads for o, spreads in by_overlap.items()}
     print(f"\n{'':16}" + "".join(f"{'overlap ' + str(o):>24}" for o in args.overlaps))
     for key in keys:
-        cells = [
-            f"{s[key + '_median']:.4g} ({s[key + '_min']:.4g}-{s[key + '_max']:.4g})"
-            for s in sides.values()
-        ]
+        cells = [spread_text(s, "{:.4g}", f"{key}_") for s in sides.values()]
         print(f"{key:<16}" + "".join(f"{c:>24}" for c in cells))
     low, high = str(min(args.overlaps)), str(max(args.overlaps))
     figures = {
@@ -112,7 +101,7 @@ def main() -> int:
         "size": args.size,
         "workers_per_trial": args.workers,
     }
-    print(json.dumps(figures))
+    print_results(figures)
     return 0
 
 

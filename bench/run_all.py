@@ -181,11 +181,18 @@ def run_one(name: str, argv: list[str], log: Path) -> dict[str, object]:
     if name in TEXT_OUTPUT:
         entry["output"] = "\n".join(lines)
     else:
-        last = next((x for x in reversed(lines) if x.startswith("{")), None)
-        if last is None:
+        figures = results_line(lines)
+        if figures is None:
             raise RuntimeError(f"{name} printed no JSON line (log: {log})")
-        entry["figures"] = json.loads(last)
+        entry["figures"] = figures
     return entry
+
+
+def results_line(lines: list[str]) -> dict | None:
+    """A bench's figures: the last of its output lines that starts with "{", parsed as JSON
+    (what bench/harness.py's print_results writes); None when no line starts so."""
+    last = next((x for x in reversed(lines) if x.startswith("{")), None)
+    return None if last is None else json.loads(last)
 
 
 def read_results() -> dict[str, dict]:

@@ -121,17 +121,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from foreign_cpu import ForeignCPU, busy_text, fit_watched, warn_if_busy
-from rounds import alternated
 from torchrun import run_torchrun
+
+from harness import (
+    alternated,
+    median_of,
+    print_results,
+    relay_home,
+    scratch,
+    spread,
+    spread_text,
+)
 
 # Command-line marks of the processes that train, on either side; the rest of the bench's own
 # process tree (Ray's daemons and actors, the driver, torchrun's launcher) supports them.
@@ -299,11 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         hosts_main(args)
         return
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="relay-bench-scaling-") as tmp:
-        storage = Path(tmp)
-        os.environ["RELAY_HOME"] = str(storage)
-        os.environ["RAY_ADDRESS"] = "local"  # relay starts its own embedded cluster
-
+    with relay_home("scaling") as storage:  # relay starts its own embedded cluster
         import relay.config
         from relay.tasks import build_task
 
@@ -319,19 +322,15 @@ def main(argv: list[str] | None = None) -> None:
         )
         runs: list[dict[str, Any]] = []
         order = scaling_order(args.repeats)
-        try:
-            for repeat, side, workers in order:
-                cfg_dict = run_config(args, storage, workers)
-                if side == "relay":
-                    run = train(cfg_dict, args.show_progress)
-                    print(describe(run), flush=True)
-                else:
-                    run = train_torchrun(cfg_dict, storage)
-                    print(describe_torchrun(run), flush=True)
-                runs.append({**run, "repeat": repeat})
-        finally:
-            if "ray" in sys.modules:
-                sys.modules["ray"].shutdown()
+        for repeat, side, workers in order:
+            cfg_dict = run_config(args, storage, workers)
+            if side == "relay":
+                run = train(cfg_dict, args.show_progress)
+                print(describe(run), flush=True)
+            else:
+                run = train_torchrun(cfg_dict, storage)
+                print(describe_torchrun(run), flush=True)
+            runs.append({**run, "repeat": repeat})
     wall_s = time.perf_counter() - started
 
     def picked(side: str, workers: int) -> list[dict[str, Any]]:
@@ -378,11 +377,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"medians (min-max) of {args.repeats} alternated rounds")
     for side, key in (("relay", "samples_per_s"), ("torchrun", "report_samples_per_s")):
         for workers in (1, 2):
-            values = [r[key] for r in picked(side, workers)]
-            print(
-                f"  {side} {workers} worker(s): {statistics.median(values):,.0f} samples/s "
-                f"({min(values):,.0f}-{max(values):,.0f})"
-            )
+            rates = spread(r[key] for r in picked(side, workers))
+            print(f"  {side} {workers} worker(s): {spread_text(rates, '{:,.0f}')} samples/s")
     print(
         f"speedup 2 workers / 1 worker, relay: {spread_text(relay_speedup)} (report throughput), "
         f"{spread_text(relay_steady)} (steady, median epochs 2..N); target >= 1.85"
@@ -464,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
         "batch_size": cfg.batch_size,
         "wall_s": wall_s,
     }
-    print(json.dumps(summary))
+    print_results(summary)
 
 
 SIDES = ("relay", "torchrun")
@@ -480,18 +476,10 @@ def scaling_order(repeats: int) -> list[tuple[int, str, int]]:
     return [(r, side, workers) for r, (side, workers) in alternated(base, repeats)]
 
 
-def median_of(runs: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
-
-
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run of median throughput (the lower of the middle two for an even count)."""
     ordered = sorted(runs, key=lambda r: r["samples_per_s"])
     return ordered[(len(ordered) - 1) // 2]
-
-
-def spread_text(s: dict[str, Any]) -> str:
-    return f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})"
 
 
 # --- the 2-host point ---------------------------------------------------------------------------
@@ -537,7 +525,7 @@ def hosts_main(args: argparse.Namespace) -> None:
         sys.exit(f"the 2-host point needs network namespaces: {reason}")
     started = time.perf_counter()
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="relay-bench-hosts-") as tmp:
+    with scratch("hosts") as tmp:
         storage = Path(tmp)
         with NetnsCluster(2, storage=storage, host_resources={"worker_slot": 1}) as cluster:
             print(f"{cluster.describe()}\nup in {cluster.up_in_s:.1f} s", flush=True)
@@ -557,7 +545,7 @@ def hosts_main(args: argparse.Namespace) -> None:
                 )
 
     def median(side: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs if r["side"] == side)
+        return median_of((r for r in runs if r["side"] == side), key)
 
     ratio = median("two_hosts", "samples_per_s") / median("one_host", "samples_per_s")
     ratio_steady = median("two_hosts", "steady_samples_per_s") / median(
@@ -586,7 +574,7 @@ def hosts_main(args: argparse.Namespace) -> None:
         "batch_size": args.batch_size,
         "wall_s": time.perf_counter() - started,
     }
-    print(json.dumps(summary))
+    print_results(summary)
 
 
 if __name__ == "__main__":

@@ -36,13 +36,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from asha_vs_random import spread  # bench/ is the script's directory, so on sys.path
-from rounds import alternated
-
+from harness import alternated, print_results, scratch, side_spreads, spread_text
 from relay.config import sweep_from_dict
 from relay.records import history, registry
 from relay.runtime import cluster
@@ -151,21 +148,14 @@ def main() -> int:
     order = arm_order(args.arms, args.seeds)
     print(f"{len(order)} sweeps: {', '.join(f'{a}/{s}' for a, s in order)}", flush=True)
     cluster.connect()
-    with tempfile.TemporaryDirectory(prefix="relay-bench-search-") as tmp:
+    with scratch("search") as tmp:
         runs = [
             run_sweep(args, Path(tmp) / f"{i}-{arm}-{seed}", arm, seed)
             for i, (arm, seed) in enumerate(order)
         ]
 
     keys = ("best", "wall_s", "epochs_trained")
-    arms = {
-        arm: {
-            name: value
-            for key in keys
-            for name, value in spread(key, [r[key] for r in runs if r["arm"] == arm]).items()
-        }
-        for arm in args.arms
-    }
+    arms = side_spreads(runs, "arm", args.arms, keys, flat=True)
     budget = args.samples * args.epochs
     print(
         f"\n{args.samples} trials x {args.epochs} epochs of {args.task}/{args.size} per sweep "
@@ -173,11 +163,7 @@ def main() -> int:
     )
     print(f"{'':16}" + "".join(f"{arm:>26}" for arm in args.arms))
     for key, fmt in zip(keys, ("{:.4f}", "{:.1f}", "{:.0f}"), strict=True):
-        cells = [
-            f"{fmt.format(s[key + '_median'])} "
-            f"({fmt.format(s[key + '_min'])}-{fmt.format(s[key + '_max'])})"
-            for s in arms.values()
-        ]
+        cells = [spread_text(s, fmt, f"{key}_") for s in arms.values()]
         print(f"{key:<16}" + "".join(f"{c:>26}" for c in cells))
     figures = {
         "metric": runs[0]["metric"],
@@ -204,7 +190,7 @@ def main() -> int:
         "cpus_per_worker": args.cpus_per_worker,
         "search_concurrency": args.search_concurrency,
     }
-    print(json.dumps(figures))
+    print_results(figures)
     return 0
 
 

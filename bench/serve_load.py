@@ -61,16 +61,22 @@ import contextlib
 import json
 import os
 import resource
-import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from harness import (
+    alternated,
+    alternated_sides,
+    median_of,
+    print_results,
+    require_program,
+    scratch,
+)
 
 HOST = "127.0.0.1"
 MODEL = "digits"
@@ -296,7 +302,7 @@ def summarise(runs: list[dict[int, dict]]) -> dict[int, dict]:
     for level in runs[0]:
         per_run = [run[level] for run in runs]
         summary[level] = {
-            key: round(statistics.median(r[key] for r in per_run), 2)
+            key: round(median_of(per_run, key), 2)
             for key in ("rps", "p50_ms", "p99_ms", "client_cpu_share")
         }
         summary[level]["rps_min"] = min(r["rps"] for r in per_run)
@@ -309,14 +315,13 @@ def compare(
     label: str, sides: list[str], storage: Path, checkpoint_dir: str, levels, args, script: Path
 ) -> dict[str, dict[int, dict]]:
     runs: dict[str, list] = {side: [] for side in sides}
-    for repeat in range(args.repeats):
-        for side in sides if repeat % 2 == 0 else reversed(sides):
-            port = free_port()
-            server = start_side(side, storage, checkpoint_dir, port)
-            try:
-                runs[side].append(measure(f"{label} {side}", port, levels, args.seconds, script))
-            finally:
-                server.stop()
+    for side in alternated_sides(sides, args.repeats):
+        port = free_port()
+        server = start_side(side, storage, checkpoint_dir, port)
+        try:
+            runs[side].append(measure(f"{label} {side}", port, levels, args.seconds, script))
+        finally:
+            server.stop()
     return {side: summarise(side_runs) for side, side_runs in runs.items()}
 
 
@@ -357,19 +362,17 @@ def swaps(storage: Path, args, script: Path) -> dict[str, Any]:
     steady, swapped = [], []
     try:
         wrk(port, 32, 1, script)  # warm-up
-        for repeat in range(args.repeats):
+        for repeat, kind in alternated(("steady", "swap"), args.repeats):
             to = 2 if repeat % 2 == 0 else 1  # the version not being served
-            order = ("steady", "swap") if repeat % 2 == 0 else ("swap", "steady")
-            for kind in order:
-                deploy_to = to if kind == "swap" else None
-                figures = window(port, args.swap_seconds, script, deploy_to, storage)
-                (swapped if kind == "swap" else steady).append(figures)
-                print(f"swap phase {kind:<6} {figures}", flush=True)
+            deploy_to = to if kind == "swap" else None
+            figures = window(port, args.swap_seconds, script, deploy_to, storage)
+            (swapped if kind == "swap" else steady).append(figures)
+            print(f"swap phase {kind:<6} {figures}", flush=True)
     finally:
         server.stop()
 
     def median(runs: list[dict], key: str) -> float:
-        return round(statistics.median(r[key] for r in runs), 2)
+        return round(median_of(runs, key), 2)
 
     return {
         "swap_failed_requests": sum(r["failed"] for r in swapped),
@@ -428,9 +431,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.plain:
         run_plain_server(args.plain, args.port)
         return
-    if shutil.which("wrk") is None:
-        sys.exit("bench/serve_load.py needs wrk: apt-get install wrk")
-    with tempfile.TemporaryDirectory(prefix="relay-serve-bench-") as tmp:
+    require_program("wrk", "bench/serve_load.py")
+    with scratch("serve") as tmp:
         script = write_inputs(Path(tmp))
         tiny_storage, heavy_storage = Path(tmp, "tiny"), Path(tmp, "heavy")
         tiny_checkpoint = make_checkpoint(tiny_storage)
@@ -450,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.only in (None, "swap"):
             swap = swaps(tiny_storage, args, script)
     if args.only:
-        print(json.dumps({"levels": {"tiny": tiny, "heavy": heavy}, "swap": swap}))
+        print_results({"levels": {"tiny": tiny, "heavy": heavy}, "swap": swap})
         return
     plain, haproxy, proxy = tiny["plain"], tiny["haproxy"], tiny["proxy"]
     summary = {
@@ -488,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
             "cpus": os.cpu_count(),
         },
     }
-    print(json.dumps(summary))
+    print_results(summary)
 
 
 if __name__ == "__main__":

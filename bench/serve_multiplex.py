@@ -40,13 +40,10 @@ import argparse
 import asyncio
 import contextlib
 import http.client
-import json
 import os
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,6 +60,8 @@ from serve_load import (
     summarise,
     write_inputs,
 )
+
+from harness import alternated_sides, print_results, require_program, scratch
 
 MODELS = (MODEL, f"{MODEL}-b")
 LEVELS = (1, 32)
@@ -236,13 +235,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.multiplexed:
         run_multiplexed_server(args.multiplexed, args.port)
         return
-    if shutil.which("wrk") is None:
-        sys.exit("bench/serve_multiplex.py needs wrk: apt-get install wrk")
+    require_program("wrk", "bench/serve_multiplex.py")
     sides = ["table", "multiplexed"]
     runs: dict[str, list] = {side: [] for side in sides}
     cold: dict[str, list] = {side: [] for side in sides}
     cold_heavy: dict[str, list] = {side: [] for side in sides}
-    with tempfile.TemporaryDirectory(prefix="relay-multiplex-bench-") as tmp:
+    with scratch("multiplex") as tmp:
         write_inputs(Path(tmp))
         script = Path(tmp, "alternating.lua")
         script.write_text(Path(tmp, "post.lua").read_text() + ALTERNATING)
@@ -250,15 +248,14 @@ def main(argv: list[str] | None = None) -> None:
         for name in MODELS:
             make_checkpoint(storage, name=name)
             make_checkpoint(heavy_storage, HEAVY_HIDDEN, name=name)
-        for repeat in range(args.repeats):
-            for side in sides if repeat % 2 == 0 else reversed(sides):
-                with serving(side, storage) as port:
-                    cold[side].append(first := first_requests(port))
-                    print(f"{side:<12} tiny, first requests (ms): {first}", flush=True)
-                    runs[side].append(measure(side, port, LEVELS, args.seconds, script))
-                with serving(side, heavy_storage) as port:
-                    cold_heavy[side].append(first := first_requests(port))
-                    print(f"{side:<12} heavy, first requests (ms): {first}", flush=True)
+        for side in alternated_sides(sides, args.repeats):
+            with serving(side, storage) as port:
+                cold[side].append(first := first_requests(port))
+                print(f"{side:<12} tiny, first requests (ms): {first}", flush=True)
+                runs[side].append(measure(side, port, LEVELS, args.seconds, script))
+            with serving(side, heavy_storage) as port:
+                cold_heavy[side].append(first := first_requests(port))
+                print(f"{side:<12} heavy, first requests (ms): {first}", flush=True)
     levels = {side: summarise(side_runs) for side, side_runs in runs.items()}
 
     def slowest_first(runs: dict[str, list]) -> dict[str, float]:
@@ -268,28 +265,24 @@ def main(argv: list[str] | None = None) -> None:
         }
 
     table, multiplexed = levels["table"], levels["multiplexed"]
-    print(
-        json.dumps(
-            {
-                "multiplexed_ratio_c32": round(multiplexed[32]["rps"] / table[32]["rps"], 3),
-                "multiplexed_p50_gap_ms_c1": round(
-                    multiplexed[1]["p50_ms"] - table[1]["p50_ms"], 2
-                ),
-                "cold_first_ms": slowest_first(cold),
-                "cold_first_ms_heavy": slowest_first(cold_heavy),
-                "cold_runs": {"tiny": cold, "heavy": cold_heavy},
-                "levels": levels,
-                "setup": {
-                    "models": list(MODELS),
-                    "sizes": {"tiny": f"{MODEL} default size", "heavy": f"hidden {HEAVY_HIDDEN}"},
-                    "replicas": 1,
-                    "seconds_per_level": args.seconds,
-                    "repeats": args.repeats,
-                    "client": "wrk -t1, closed loop, alternating models",
-                    "cpus": os.cpu_count(),
-                },
-            }
-        )
+    print_results(
+        {
+            "multiplexed_ratio_c32": round(multiplexed[32]["rps"] / table[32]["rps"], 3),
+            "multiplexed_p50_gap_ms_c1": round(multiplexed[1]["p50_ms"] - table[1]["p50_ms"], 2),
+            "cold_first_ms": slowest_first(cold),
+            "cold_first_ms_heavy": slowest_first(cold_heavy),
+            "cold_runs": {"tiny": cold, "heavy": cold_heavy},
+            "levels": levels,
+            "setup": {
+                "models": list(MODELS),
+                "sizes": {"tiny": f"{MODEL} default size", "heavy": f"hidden {HEAVY_HIDDEN}"},
+                "replicas": 1,
+                "seconds_per_level": args.seconds,
+                "repeats": args.repeats,
+                "client": "wrk -t1, closed loop, alternating models",
+                "cpus": os.cpu_count(),
+            },
+        }
     )
 
 

@@ -46,17 +46,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rounds import alternated_sides
-
+from harness import alternated_sides, print_results, scratch, spread
 from relay.runtime.cluster import RUN_SWITCHES
 
 HERE = Path(__file__).resolve().parent
@@ -220,7 +217,7 @@ def child(args: argparse.Namespace) -> None:
     """One side: start a cluster, warm up, measure each run once, write the figures."""
     from relay.runtime import cluster
 
-    with tempfile.TemporaryDirectory(prefix="relay-bench-startup-") as tmp:
+    with scratch("startup") as tmp:
         marks, storage = Path(tmp) / "marks", Path(tmp) / "runs"
         marks.mkdir()
         storage.mkdir()
@@ -274,10 +271,6 @@ def run_child(side: str, args: argparse.Namespace, home: Path) -> dict:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         raise RuntimeError(f"the {side} child exited {proc.returncode}")
     return json.loads(out.read_text())
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def summarise(rounds: list[dict], sides: list[str], runs: list[str]) -> dict:
@@ -343,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     rounds = []
-    with tempfile.TemporaryDirectory(prefix="relay-bench-startup-home-") as home:
+    with scratch("startup-home") as home:
         for side in sequence:
             began = time.perf_counter()
             result = run_child(side, args, Path(home))
@@ -383,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             side: next(r["switches"] for r in rounds if r["side"] == side) for side in args.sides
         },
     }
-    print(json.dumps(figures))
+    print_results(figures)
     return 0
 
 

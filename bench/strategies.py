@@ -70,15 +70,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from foreign_cpu import busy_text, fit_watched, warn_if_busy
+
+from harness import print_results, relay_home
 
 DEFAULT_MODEL = {
     "d_model": 256,
@@ -279,11 +278,7 @@ def table(runs: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="relay-bench-strategies-") as tmp:
-        storage = Path(tmp)
-        os.environ["RELAY_HOME"] = str(storage)
-        os.environ["RAY_ADDRESS"] = "local"  # relay starts its own embedded cluster
-
+    with relay_home("strategies") as storage:  # relay starts its own embedded cluster
         import relay.config
         from relay.tasks import build_task
 
@@ -310,15 +305,11 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(bf16_skipped, flush=True)
         runs: list[dict[str, Any]] = []
-        try:
-            for strategy in args.strategies:
-                for precision in precisions:
-                    cfg_dict = run_config(args, storage, strategy, precision)
-                    runs.append(train(cfg_dict, block_size, args.show_progress))
-                    print(describe(runs[-1]), flush=True)
-        finally:
-            if "ray" in sys.modules:
-                sys.modules["ray"].shutdown()
+        for strategy in args.strategies:
+            for precision in precisions:
+                cfg_dict = run_config(args, storage, strategy, precision)
+                runs.append(train(cfg_dict, block_size, args.show_progress))
+                print(describe(runs[-1]), flush=True)
     wall_s = time.perf_counter() - started
 
     by = {(r["strategy"], r["precision"]): r for r in runs}
@@ -399,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
         "batch_size": cfg.batch_size,
         "wall_s": wall_s,
     }
-    print(json.dumps(summary))
+    print_results(summary)
 
 
 if __name__ == "__main__":

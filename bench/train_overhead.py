@@ -61,17 +61,16 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from rounds import alternated_sides
 from torchrun import run_torchrun
 
 import relay
 import relay.config
+from harness import alternated_sides, print_results, scratch
 from relay.tasks import build_task
 
 DEFAULT_MODEL = {"digits": {"hidden": [2048, 2048]}}
@@ -253,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
 
-    with tempfile.TemporaryDirectory(prefix="relay-bench-") as tmp:
+    with scratch("overhead") as tmp:
         tmp_dir = Path(tmp)
         torchrun_runs: list[dict[str, Any]] = []
         relay_runs: list[dict[str, Any]] = []
@@ -426,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
         # The one config both sides ran (relay's runs add only their storage dir).
         "config": cfg.model_dump(mode="json"),
     }
-    print(json.dumps(summary))
+    print_results(summary)
 
 
 if __name__ == "__main__":
