@@ -69,6 +69,17 @@ CLIENT_TIMEOUT_S = "60"
 # copy of each request to resend (one that does not fit its 16 KiB buffer is not retried), and
 # `option redispatch 1` in Serve's template sends the retry to another server.
 RETRY_ON = "conn-failure empty-response"
+# Serve marks a replica DOWN after this many failed connections in a row (`observe layer4
+# error-limit`), and HAProxy then sends to the others, or to Serve's fallback proxy (a backup).
+OBSERVE_ERROR_LIMIT = 3
+# HAProxy's retries per request (its default: 3), more than the error limit: the request whose
+# failed connections mark a dead replica DOWN still has retries left for a live one. With no more
+# retries than the limit, a HAProxy that knows the dead replica as its only active server spends
+# them all on it and fails the request (503 "SC--", retries 3, the server marked DOWN a moment
+# after): the process a Serve reload has just replaced keeps answering its kept-alive client
+# connections from its old server list, and Serve reloads HAProxy every few seconds while
+# replicas change (tests/test_serve_cli.py, the killed replica of two).
+RETRIES = OBSERVE_ERROR_LIMIT + 3
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -141,6 +152,8 @@ def serve_environment(ingress: str) -> ServeSetup:
         "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": DRAIN_S,
         "RAY_SERVE_HAPROXY_RETRY_ON": RETRY_ON,
+        "RAY_SERVE_HAPROXY_RETRIES": str(RETRIES),
+        "RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT": str(OBSERVE_ERROR_LIMIT),
         "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": CLIENT_TIMEOUT_S,
     }
     return ServeSetup(env, directory)
