@@ -141,3 +141,29 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
     closed = {"relay.checkpoints.checkpoint", "relay.checkpoints.layout"}
     assert any(closed <= set(component) for component in cycles(graph)), cycles(graph)
     assert "relay.records.registry imports relay.tuning.sweep" in upward_imports(graph)
+
+
+def redefined_names(source: str) -> list[str]:
+    """Module-level functions and classes defined twice in `source`: Python keeps the last, so
+    every caller of the first silently runs the second (ruff's F811 sees only a name redefined
+    before any use)."""
+    seen: set[str] = set()
+    twice = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if node.name in seen:
+                twice.append(node.name)
+            seen.add(node.name)
+    return twice
+
+
+def test_no_module_defines_a_function_or_class_twice():
+    assert redefined_names(
+        "def f(a):\n    return g(a)\n\n\ndef g(a):\n    pass\n\n\ndef f(): pass\n"
+    ) == ["f"]
+    found = {
+        name: twice
+        for name, path in modules().items()
+        if (twice := redefined_names(path.read_text()))
+    }
+    assert found == {}, found

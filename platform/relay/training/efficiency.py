@@ -237,14 +237,14 @@ def _combine(task, epochs, cfg, ranks, flops_per_sample, memory_kind, dtype) -> 
         "strategy": cfg.parallel.strategy,
         "mixed_precision": cfg.parallel.mixed_precision,
         "grad_accum": cfg.parallel.grad_accum,
-        "throughput": _throughput(task, steady, world),
-        "step": _step(cfg, steady, ranks),
-        "flops": _flops(ranks, flops_per_sample * samples_per_s, flops_per_sample, dtype),
-        "memory": _memory(ranks, memory_kind),
+        "throughput": _throughput_part(task, steady, world),
+        "step": _step_part(cfg, steady, ranks),
+        "flops": _flops_part(ranks, flops_per_sample * samples_per_s, flops_per_sample, dtype),
+        "memory": _memory_part(ranks, memory_kind),
     }
 
 
-def _throughput(task, steady: dict[str, Any], world: int) -> dict[str, Any]:
+def _throughput_part(task, steady: dict[str, Any], world: int) -> dict[str, Any]:
     samples_per_s = steady["samples"] / steady["seconds"]
     units_per_s = steady["units"] / steady["seconds"]
     return {
@@ -262,7 +262,7 @@ def _throughput(task, steady: dict[str, Any], world: int) -> dict[str, Any]:
     }
 
 
-def _step(cfg, steady: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def _step_part(cfg, steady: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """An optimizer step's time split into compute, gradient communication and the rest."""
     world = len(ranks)
     step_s = steady["seconds"] / steady["steps"]
@@ -289,7 +289,7 @@ def _step(cfg, steady: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str,
     }
 
 
-def _flops(ranks, achieved: float, flops_per_sample: float, dtype) -> dict[str, Any]:
+def _flops_part(ranks, achieved: float, flops_per_sample: float, dtype) -> dict[str, Any]:
     peak_total = sum(r["matmul_peak_flops"] for r in ranks)
     return {
         "model_flops_per_sample": flops_per_sample,
@@ -326,7 +326,7 @@ MEMORY_KEYS = (
 )
 
 
-def _memory(ranks, memory_kind: str) -> dict[str, Any]:
+def _memory_part(ranks, memory_kind: str) -> dict[str, Any]:
     return {
         "kind": memory_kind,
         # State bytes: each storage that parameters, gradients (after the last training step)
