@@ -241,7 +241,7 @@ def train(cfg_dict: dict[str, Any], show_progress: bool) -> dict[str, Any]:
         "optimizer_steps": report["step"]["optimizer_steps"],
         "step": {k: report["step"][k] for k in ("step_s", "compute_s", "comm_s", "other_s")},
         "comm_fraction": report["step"]["comm_fraction"],
-        # efficiency.py may name the figure for what it is; read whichever name exists.
+        # relay's efficiency report may name the figure for what it is; read whichever name exists.
         "peak_fraction": flops["fraction_of_measured_matmul_peak"],
         "model_flops_per_sample": flops["model_flops_per_sample"],
         "achieved_flops_per_s": flops["achieved_flops_per_s"],
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
         "support_cpu_cores": cpu["support"],
         "scaling_efficiency": speedup / 2,
         "torchrun_scaling_efficiency": torchrun_speedup_2w / 2,
-        # The same figures under the name that says what they are (see efficiency.py).
+        # The same figures under the name that says what they are (see relay/training/efficiency/).
         "fraction_of_measured_matmul_peak": two["peak_fraction"],
         "fraction_of_measured_matmul_peak_1w": one["peak_fraction"],
         "comm_fraction": two["comm_fraction"],
