@@ -244,7 +244,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         if recorded:
             endpoint.remove(app_args.storage, args.host, args.port, os.getpid())
-        _take_down(APP_NAME, own_cluster)
+        take_down(own_cluster)
         if setup is not None:
             setup.remove()
         for sig, handler in previous_handlers.items():
@@ -278,11 +278,6 @@ def own_cluster_wanted() -> bool:
     import ray
 
     return not ray.is_initialized() and os.environ.get("RAY_ADDRESS", "local") == "local"
-
-
-def take_down(own_cluster: bool) -> None:
-    """The app gone; with it the cluster, if serving started it."""
-    _take_down(APP_NAME, own_cluster)
 
 
 def _record(args: argparse.Namespace, app_args, runtime_env: dict[str, Any]) -> None:
@@ -476,7 +471,8 @@ def _wait_for_version(base_url: str, info, version: str, timeout_s: float = 60.0
         time.sleep(0.1)
 
 
-def _take_down(app_name: str, own_cluster: bool) -> None:
+def take_down(own_cluster: bool) -> None:
+    """The app gone; with it the cluster, if serving started it."""
     import ray
     from ray import serve
 
@@ -486,7 +482,7 @@ def _take_down(app_name: str, own_cluster: bool) -> None:
             serve.shutdown()  # stops HAProxy too, which Ray alone would leave running
             ray.shutdown()
         else:
-            serve.delete(app_name)
+            serve.delete(APP_NAME)
     except Exception as exc:  # already gone (e.g. the cluster died): nothing left to clean up
         print(f"relay: while stopping: {exc}", file=sys.stderr)
 
