@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import re
 import string
 import sys
@@ -31,14 +30,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import results_file
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-RESULTS = HERE / "results.jsonl"
 BLOCK = re.compile(
     r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.S
 )
 Figures = dict[str, Any]
-Results = dict[str, dict[str, Any]]
+Results = dict[str, list[dict[str, Any]]]  # each bench's runs, one per machine, newest first
 
 
 def pages(repo: Path = REPO) -> list[Path]:
@@ -59,9 +59,8 @@ def block_homes(texts: dict[Path, str]) -> dict[str, Path]:
     return homes
 
 
-def load_results(path: Path = RESULTS) -> Results:
-    entries = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-    return {entry["bench"]: entry for entry in entries}
+def load_results(path: Path = results_file.PATH) -> Results:
+    return results_file.by_bench(results_file.read(path))
 
 
 _REQUIRED = object()
@@ -174,8 +173,10 @@ def fill(template: Template, figures: Figures) -> str:
 
 
 def run_stamp(entry: dict[str, Any]) -> str:
-    """The commit (+ when the tree was dirty) and date of the run that wrote an entry."""
-    return f"{(entry['commit'] or '?')[:8]}{'+' if entry['dirty'] else ''}, {entry['date'][:10]}"
+    """The commit (+ when the tree was dirty), date and machine of the run that wrote an entry:
+    a figure means something only beside the CPU it was measured on."""
+    commit = f"{(entry['commit'] or '?')[:8]}{'+' if entry['dirty'] else ''}"
+    return f"{commit}, {entry['date'][:10]}, {results_file.machine_name(entry['machine'])}"
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -420,17 +421,26 @@ BENCHMARK_ROWS = (
 
 
 def benchmarks(results: Results) -> str:
-    entries = [results[row.bench] for row in BENCHMARK_ROWS if row.bench in results]
-    machines = sorted({json.dumps(e["machine"], sort_keys=True) for e in entries})
-    minutes = sum(e["wall_s"] for e in results.values()) / 60
-    lines = [
-        f"Measured on {m['cores']} cores ({m['cpu_model']}), {m['memory_gib']} GiB; each row "
-        "names the commit and date of its run. Wall time of the benches and samples: "
-        f"{minutes:.0f} min."
-        for m in map(json.loads, machines)
-    ]
+    """A row per bench and machine it ran on; a line per machine saying what it is and how
+    long all its benches took."""
+    entries = [entry for row in BENCHMARK_ROWS for entry in results.get(row.bench, [])]
+    machines = {results_file.machine_name(e["machine"]): e["machine"] for e in entries}
+    lines = []
+    for _, machine in sorted(machines.items()):
+        ran = [e for runs in results.values() for e in runs if e["machine"] == machine]
+        minutes = sum(e["wall_s"] for e in ran) / 60
+        lines.append(
+            f"Measured on {machine['cores']} cores ({machine['cpu_model']}), "
+            f"{machine['memory_gib']} GiB; each row "
+            "names the commit, date and machine of its run. Wall time of that machine's benches "
+            f"and samples: {minutes:.0f} min."
+        )
     header = ["command", "what", "figures", "run"]
-    rows = [row.cells(results[row.bench]) for row in BENCHMARK_ROWS if row.bench in results]
+    rows = [
+        row.cells(entry)
+        for row in BENCHMARK_ROWS
+        for entry in sorted(results.get(row.bench, []), key=lambda e: e["machine"]["cpu_model"])
+    ]
     return "\n".join([*lines, "", *markdown_table(header, rows)]) + "\n"
 
 
@@ -477,7 +487,7 @@ class Section:
     outro: Template = ""
 
     def __call__(self, results: Results) -> str:
-        entry = results[self.bench]
+        entry = results[self.bench][0]  # the newest run, its machine named with it
         figures = entry["figures"]
         intro = f"{fill(self.intro, figures)} Run: `{entry['command']}`, {run_stamp(entry)}."
         outro = ["", fill(self.outro, figures)] if self.outro else []
@@ -671,7 +681,7 @@ class Sample:
     keep: Callable[[list[str]], list[str]] = list
 
     def __call__(self, results: Results) -> str:
-        entry = results[self.bench]
+        entry = results[self.bench][0]  # the newest run, its machine named with it
         lines = self.keep(entry["output"].splitlines())
         return "```\n$ " + entry["command"] + "\n" + "\n".join(lines) + "\n```\n"
 

@@ -2,13 +2,16 @@
 
 Runs every benchmark of this folder, one after another, each in its own process (so one bench's
 Ray cluster is gone before the next starts), and records what each printed as its last line (one
-JSON object) in bench/results.jsonl: one line per bench, with the command that produced it, the
-commit and date, and the machine (cores, CPU model, memory). Then it regenerates the figures of
-README.md and docs/ from that file (bench/readme.py), so they quote only measured numbers.
+JSON object) in bench/results.jsonl: one line per bench and machine, with the command that
+produced it, the commit and date, and the machine (cores, CPU model, memory). A run on another
+machine adds its lines beside the first machine's (bench/results_file.py). Then it regenerates
+the figures of README.md and docs/ from that file (bench/readme.py), so they quote only measured
+numbers.
 
 `--only NAME` reruns some benches and keeps the other lines of the file as they are (each line
-carries its own commit and date). A bench that fails leaves its old line in place and makes the
-exit status non-zero. Run it on a quiet machine: the benches share its cores with everything else.
+carries its own commit, date and machine). A bench that fails leaves its old line in place and
+makes the exit status non-zero. Run it on a quiet machine: the benches share its cores with
+everything else.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import results_file
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-RESULTS = HERE / "results.jsonl"
 PYTHON = sys.executable
 
 # name → argv after the interpreter. Each bench's docstring says what it measures.
@@ -195,20 +199,6 @@ def results_line(lines: list[str]) -> dict | None:
     return None if last is None else json.loads(last)
 
 
-def read_results() -> dict[str, dict]:
-    if not RESULTS.exists():
-        return {}
-    entries = (json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip())
-    return {entry["bench"]: entry for entry in entries}
-
-
-def write_results(results: dict[str, dict]) -> None:
-    ordered = [results[name] for name in BENCHES if name in results]
-    tmp = RESULTS.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(entry, sort_keys=True) + "\n" for entry in ordered))
-    tmp.replace(RESULTS)
-
-
 # The programs a bench needs besides the venv, and where to get each (Debian's package).
 TOOLS = {"serve_load": ["wrk"], "serve_multiplex": ["wrk"], "scaling_hosts": ["ip"]}
 PACKAGES = {"wrk": "wrk", "ip": "iproute2"}
@@ -243,18 +233,21 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         return 2
-    results = read_results()
+    results = results_file.read()
     failed = []
     logs = Path(os.environ.get("RELAY_BENCH_LOGS", "/tmp/relay-bench-logs"))
     logs.mkdir(parents=True, exist_ok=True)
     for name in names:
         try:
-            results[name] = run_one(name, BENCHES[name], logs / f"{name}.log")
+            entry = run_one(name, BENCHES[name], logs / f"{name}.log")
         except RuntimeError as exc:
             print(f"bench {name} failed: {exc}", file=sys.stderr, flush=True)
             failed.append(name)
             continue
-        write_results(results)  # after each bench: an interrupted run keeps what it measured
+        # This machine's line replaces this machine's only; after each bench, so that an
+        # interrupted run keeps what it measured.
+        results[results_file.key(entry)] = entry
+        results_file.write(results, list(BENCHES))
     subprocess.run([PYTHON, str(HERE / "readme.py"), "--write"], cwd=REPO, check=True)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

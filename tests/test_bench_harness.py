@@ -207,3 +207,86 @@ def test_figures_that_are_not_an_object_are_refused(harness, capsys):
     with pytest.raises(TypeError, match="dict"):
         harness.print_results([1, 2])
     assert capsys.readouterr().out == ""
+
+
+# --- the results file: a line per bench and machine ----------------------------------------------
+
+
+@pytest.fixture
+def results_file(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module("results_file")
+
+
+@pytest.fixture
+def readme(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module("readme")
+
+
+def _entry(bench: str, cpu: str, date: str, figure: float) -> dict:
+    return {
+        "bench": bench,
+        "machine": {"cores": 2, "cpu_model": cpu, "memory_gib": 23.5},
+        "date": date,
+        "figures": {"figure": figure},
+    }
+
+
+def test_a_run_on_another_machine_adds_lines_and_a_rerun_replaces_its_own(results_file, tmp_path):
+    path = tmp_path / "results.jsonl"
+    order = ["train_overhead", "scaling"]
+    amd = _entry("train_overhead", "AMD EPYC", "2026-12-05T10:00:00+00:00", 1.01)
+    entries = results_file.read(path)  # no file yet: nothing recorded
+    entries[results_file.key(amd)] = amd
+    results_file.write(entries, order, path)
+
+    # `make bench` on an Intel machine: its train_overhead line goes beside the AMD one.
+    entries = results_file.read(path)
+    intel = _entry("train_overhead", "Intel Xeon", "2026-12-07T10:00:00+00:00", 0.81)
+    scaling = _entry("scaling", "Intel Xeon", "2026-12-07T11:00:00+00:00", 0.87)
+    for entry in (scaling, intel):
+        entries[results_file.key(entry)] = entry
+    results_file.write(entries, order, path)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(e["bench"], e["machine"]["cpu_model"]) for e in lines] == [
+        ("train_overhead", "AMD EPYC"),
+        ("train_overhead", "Intel Xeon"),
+        ("scaling", "Intel Xeon"),
+    ]
+
+    # A rerun on the AMD machine replaces the AMD line only.
+    rerun = _entry("train_overhead", "AMD EPYC", "2026-12-08T10:00:00+00:00", 0.99)
+    entries = results_file.read(path)
+    entries[results_file.key(rerun)] = rerun
+    results_file.write(entries, order, path)
+    by_bench = results_file.by_bench(results_file.read(path))
+    assert [e["figures"]["figure"] for e in by_bench["train_overhead"]] == [
+        0.99,
+        0.81,
+    ]  # newest 1st
+    assert [e["figures"]["figure"] for e in by_bench["scaling"]] == [0.87]
+
+
+def test_the_pages_name_the_machine_of_every_figure(results_file, readme):
+    # The recorded results, plus the same startup and train_overhead runs said to come from
+    # another machine, later: the table has a row for each machine, the startup block (one run)
+    # shows the newer one, and each says which machine measured it.
+    entries = results_file.read()
+    recorded = {bench: entry for (bench, _), entry in entries.items()}
+    other = {"cores": 2, "cpu_model": "Intel(R) Xeon(R) CPU @ 2.20GHz", "memory_gib": 23.5}
+    for bench in ("train_overhead", "startup"):
+        copy = {**recorded[bench], "machine": other, "date": "2099-01-01T00:00:00+00:00"}
+        entries[results_file.key(copy)] = copy
+    results = results_file.by_bench(entries)
+
+    table = readme.benchmarks(results)
+    rows = [line for line in table.splitlines() if "bench/train_overhead.py`" in line]
+    assert len(rows) == 2
+    assert rows[0].endswith(", AMD EPYC, 2 cores |") and "2099-01-01" not in rows[0]
+    assert rows[1].endswith("2099-01-01, Intel(R) Xeon(R) CPU @ 2.20GHz, 2 cores |")
+    assert "Measured on 2 cores (Intel(R) Xeon(R) CPU @ 2.20GHz)" in table
+    assert "Measured on 2 cores (AMD EPYC)" in table
+
+    startup = readme.BLOCKS["startup"](results)
+    assert "2099-01-01, Intel(R) Xeon(R) CPU @ 2.20GHz, 2 cores." in startup
