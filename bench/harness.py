@@ -4,6 +4,8 @@
   reversed, so a load drifting during the bench weighs on every side alike;
 - its figures over repeats (`spread`, `side_spreads`, `median_of`, `spread_text`): a median
   with its min and max, since one run's number alone says little on a shared machine;
+- what each side computed with (`cpu_differences`, `cpu_text`): threads, allowed cores and
+  niceness per rank, so that unlike work cannot hide behind a ratio;
 - its temporary storage (`scratch`, `relay_home`): a fresh directory per bench, gone after it,
   so no run reads another's records;
 - the programs it needs besides the venv (`require_program`), checked before anything runs;
@@ -96,6 +98,31 @@ def spread_text(s: dict[str, float], fmt: str = "{:.3f}", prefix: str = "") -> s
 
 
 # --- temporary storage -----------------------------------------------------------------------
+
+
+def cpu_differences(sides: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The keys of parallel.cpu_setup (threads, interop threads, OMP_NUM_THREADS, allowed cores,
+    niceness) on which the sides' ranks did not all run alike: a comparison of throughput
+    means little while this is not empty."""
+    ranks = [rank for setups in sides.values() for rank in setups]
+    keys = sorted({key for rank in ranks for key in rank})
+    return [key for key in keys if len({json.dumps(rank.get(key)) for rank in ranks}) > 1]
+
+
+def cpu_text(setups: list[dict[str, Any]]) -> str:
+    """One rank's setup per item: "2 ranks: 1 thread (1 inter-op), OMP_NUM_THREADS 1, cores
+    [0, 1], nice 0", or each rank's where they differ."""
+
+    def one(rank: dict[str, Any]) -> str:
+        return (
+            f"{rank['threads']} thread(s) ({rank['interop_threads']} inter-op), OMP_NUM_THREADS "
+            f"{rank['omp_num_threads']}, cores {rank['affinity']}, nice {rank['nice']}"
+        )
+
+    texts = [one(rank) for rank in setups]
+    if len(set(texts)) == 1:
+        return f"{len(texts)} rank(s): {texts[0]}"
+    return "; ".join(f"rank {i}: {text}" for i, text in enumerate(texts))
 
 
 def scratch(name: str) -> tempfile.TemporaryDirectory:

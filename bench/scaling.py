@@ -132,6 +132,7 @@ from torchrun import run_torchrun
 
 from harness import (
     alternated,
+    cpu_differences,
     median_of,
     print_results,
     relay_home,
@@ -139,10 +140,12 @@ from harness import (
     spread,
     spread_text,
 )
+from harness import cpu_text as harness_cpu_text
 
 # Command-line marks of the processes that train, on either side; the rest of the bench's own
 # process tree (Ray's daemons and actors, the driver, torchrun's launcher) supports them.
 TRAINING = (b"RayTrainWorker", b"torchrun_ddp.py")
+SIDES = ("relay", "torchrun")
 
 DEFAULT_TASK = "regression"
 DEFAULT_MODEL = {"features": 1024, "hidden": [2048, 2048], "samples": 15_360}
@@ -218,6 +221,8 @@ def run_config(args: argparse.Namespace, storage: Path, workers: int) -> dict[st
 
 
 def train(cfg_dict: dict[str, Any], show_progress: bool) -> dict[str, Any]:
+    from relay.observe.doctor.heartbeat import placement
+
     result, wall_s, others = fit_watched(cfg_dict, show_progress, TRAINING)
     report = result.efficiency
     flops = report["flops"]
@@ -248,6 +253,7 @@ def train(cfg_dict: dict[str, Any], show_progress: bool) -> dict[str, Any]:
         "matmul_peak_flops_per_s": flops["matmul_peak_flops_per_s"],
         "reference": report.get("reference"),
         "last": result.history[-1] if result.history else {},
+        "cpu": [rank["cpu"] for rank in placement(Path(result.run_dir))],
     }
 
 
@@ -283,7 +289,7 @@ def describe_torchrun(run: dict[str, Any]) -> str:
         f"torchrun, {run['workers']} process(es): {run['report_samples_per_s']:,.0f} samples/s "
         f"(steady {run['steady_samples_per_s']:,.0f}), {run['steps_per_epoch']} steps/epoch, "
         f"wall {run['wall_s']:.1f} s, others' CPU {busy_text(run['foreign_cpu_cores'])}; "
-        f"{cpu_text(run)}"
+        f"{cpu_text(run)}; {harness_cpu_text(run['cpu'])}"
     )
 
 
@@ -296,7 +302,8 @@ def describe(run: dict[str, Any]) -> str:
         f"{s['step_s'] * 1e3:.0f} ms = compute {s['compute_s'] * 1e3:.0f} + comm "
         f"{s['comm_s'] * 1e3:.0f} + other {s['other_s'] * 1e3:.0f}, "
         f"{run['optimizer_steps']} steps, wall {run['wall_s']:.1f} s, "
-        f"others' CPU {busy_text(run['foreign_cpu_cores'])}; {cpu_text(run)}"
+        f"others' CPU {busy_text(run['foreign_cpu_cores'])}; {cpu_text(run)}; "
+        f"{harness_cpu_text(run['cpu'])}"
     )
 
 
@@ -449,6 +456,13 @@ def main(argv: list[str] | None = None) -> None:
         "comm_fraction": two["comm_fraction"],
         "step_2w": two["step"],
         "step_1w": one["step"],
+        # What each side's ranks computed with (first run of each worker count), and the
+        # settings on which they differed: a ratio of unlike runs would say little.
+        "cpu_setup": {side: {f"{w}w": picked(side, w)[0]["cpu"] for w in (1, 2)} for side in SIDES},
+        "cpu_setup_differs": {
+            f"{w}w": cpu_differences({side: picked(side, w)[0]["cpu"] for side in SIDES})
+            for w in (1, 2)
+        },
         "runs": [r for r in runs if r["side"] == "relay"],
         "torchrun_runs": [r for r in runs if r["side"] == "torchrun"],
         "order": [f"{side} {workers}w" for _, side, workers in order],

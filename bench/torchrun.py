@@ -66,6 +66,7 @@ def run_torchrun(cfg, out_dir: Path, name: str) -> dict[str, Any]:
     return {
         "workers": data["world_size"],
         "threads": data["threads"],
+        "cpu": data["cpu"],  # per rank: threads, allowed cores, niceness (parallel.cpu_setup)
         "first_epoch_s": data["first_epoch_end"] - launched,
         "process_start_to_first_epoch_s": data["process_start_to_first_epoch_s"],
         "startup_s": data["startup_s"],

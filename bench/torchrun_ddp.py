@@ -130,6 +130,8 @@ def main() -> None:
             }
         )
 
+    # What every rank computed with, as relay's workers record it (a collective: all ranks).
+    cpu = parallel.gather_objects(parallel.cpu_setup())
     if rank == 0:
         result = {
             "process_start": PROCESS_START,
@@ -144,6 +146,7 @@ def main() -> None:
             "world_size": world,
             "threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "cpu": cpu,
             "steps_per_epoch": steps,
             "steady": epochs.steady(),
             "epochs": per_epoch,

@@ -70,7 +70,8 @@ from torchrun import run_torchrun
 
 import relay
 import relay.config
-from harness import alternated_sides, print_results, scratch
+from harness import alternated_sides, cpu_differences, cpu_text, print_results, scratch
+from relay.observe.doctor.heartbeat import placement
 from relay.tasks import build_task
 
 DEFAULT_MODEL = {"digits": {"hidden": [2048, 2048]}}
@@ -186,6 +187,7 @@ def run_relay(cfg_dict: dict[str, Any], storage: Path, show_progress: bool) -> d
         "epoch_s": [m["epoch_s"] for m in history],
         "last": history[-1],
         "run_dir": result.run_dir,
+        "cpu": [rank["cpu"] for rank in placement(Path(result.run_dir))],
     }
 
 
@@ -382,6 +384,11 @@ def main(argv: list[str] | None = None) -> None:
         f"{first['model_and_data']:.2f}, end of epoch 1 "
         f"{torchrun_runs[0]['process_start_to_first_epoch_s']:.2f}"
     )
+    for name, runs in (("relay", relay_runs), ("torchrun", torchrun_runs)):
+        print(f"{name} ran with: {cpu_text(runs[0]['cpu'])}")
+    differs = cpu_differences({"relay": relay_runs[0]["cpu"], "torchrun": torchrun_runs[0]["cpu"]})
+    if differs:
+        print(f"warning: the sides' ranks ran with different {', '.join(differs)}")
     print("per-epoch samples/s:")
     for name, runs in (("relay", relay_runs), ("torchrun", torchrun_runs)):
         for i, run in enumerate(runs):
@@ -422,6 +429,9 @@ def main(argv: list[str] | None = None) -> None:
         "relay_steps_per_epoch": relay_steps,
         "torchrun_steps_per_epoch": torchrun_steps,
         "torchrun_threads": torchrun_runs[0]["threads"],
+        # What each side's ranks computed with (first run), and where they differed.
+        "cpu_setup": {"relay": relay_runs[0]["cpu"], "torchrun": torchrun_runs[0]["cpu"]},
+        "cpu_setup_differs": differs,
         # The one config both sides ran (relay's runs add only their storage dir).
         "config": cfg.model_dump(mode="json"),
     }

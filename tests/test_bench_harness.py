@@ -290,3 +290,31 @@ def test_the_pages_name_the_machine_of_every_figure(results_file, readme):
 
     startup = readme.BLOCKS["startup"](results)
     assert "2099-01-01, Intel(R) Xeon(R) CPU @ 2.20GHz, 2 cores." in startup
+
+
+# --- what each side ran with ----------------------------------------------------------------------
+
+ONE_THREAD = {
+    "threads": 1,
+    "interop_threads": 2,
+    "omp_num_threads": "1",
+    "affinity": [0, 1],
+    "nice": 0,
+}
+
+
+def test_alike_sides_differ_in_nothing_and_unlike_ones_name_what(harness):
+    alike = {"relay": [ONE_THREAD, ONE_THREAD], "torchrun": [dict(ONE_THREAD)] * 2}
+    assert harness.cpu_differences(alike) == []
+    niced = {**ONE_THREAD, "nice": 15}
+    pinned = {**ONE_THREAD, "affinity": [1], "threads": 2}
+    unlike = {"relay": [ONE_THREAD, niced], "torchrun": [ONE_THREAD, pinned]}
+    assert harness.cpu_differences(unlike) == ["affinity", "nice", "threads"]
+
+
+def test_cpu_text_says_it_once_for_alike_ranks_and_per_rank_otherwise(harness):
+    assert harness.cpu_text([ONE_THREAD, ONE_THREAD]) == (
+        "2 rank(s): 1 thread(s) (2 inter-op), OMP_NUM_THREADS 1, cores [0, 1], nice 0"
+    )
+    text = harness.cpu_text([ONE_THREAD, {**ONE_THREAD, "nice": 15}])
+    assert text.startswith("rank 0: 1 thread(s)") and text.endswith("cores [0, 1], nice 15")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from relay import cli
 from relay.config import from_dict
 from relay.observe import doctor
 from relay.records import registry
+from relay.runtime import cluster
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,7 +33,7 @@ SLEEP_S = 40.0  # the longest the stalling rank sleeps: past the watcher's and t
 STALL_AT = 30  # the training step it sleeps in: epoch 2 (26 steps an epoch per rank)
 
 
-def _config(name: str, tmp_path: Path, stall_rank: int):
+def _config(name: str, tmp_path: Path, stall_rank: int, threads: int | None = None):
     return from_dict(
         {
             "name": name,
@@ -46,7 +48,11 @@ def _config(name: str, tmp_path: Path, stall_rank: int):
             },
             "epochs": 3,
             "batch_size": 32,
-            "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
+            "scaling": {
+                "num_workers": 2,
+                "resources_per_worker": {"CPU": 1},
+                "threads_per_worker": threads,
+            },
             "doctor": {"stall_s": STALL_S},
         }
     )
@@ -131,7 +137,8 @@ def test_the_doctor_names_the_stalled_rank_and_its_frame(ray_cluster, relay_home
 
 
 def test_a_healthy_run_is_never_examined(ray_cluster, relay_home, tmp_path):
-    cfg = _config("doctor-healthy", tmp_path, stall_rank=-1)
+    # Two torch threads on one reserved CPU: not the default, so the record below is this run's.
+    cfg = _config("doctor-healthy", tmp_path, stall_rank=-1, threads=2)
     result = relay.train(cfg, out=None, register=False)
 
     record = registry.get_run(relay_home, result.run_id)
@@ -140,6 +147,13 @@ def test_a_healthy_run_is_never_examined(ray_cluster, relay_home, tmp_path):
     # The run records where its ranks ran: this single-node cluster's node, for both.
     node = ray_cluster.get_runtime_context().get_node_id()
     assert [(p["rank"], p["node_id"]) for p in record["placement"]] == [(0, node), (1, node)]
+    # ... and what each computed with, as the benches compare it with torchrun's ranks.
+    for rank in record["placement"]:
+        cpu = rank["cpu"]
+        assert cpu["threads"] == 2 and cpu["interop_threads"] >= 1, cpu
+        assert cpu["omp_num_threads"] == "1", cpu  # Ray's, from the reserved CPU
+        assert cpu["affinity"] and set(cpu["affinity"]) <= os.sched_getaffinity(0), cpu
+        assert cpu["nice"] == int(cluster.WORKER_NICENESS), cpu
     ranks = doctor.heartbeat.read_all(run_dir)
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["phase"] == "done" and r["epoch"] == 3 for r in ranks)

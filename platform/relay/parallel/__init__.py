@@ -36,6 +36,7 @@ from relay.parallel.engine import PRECISION_DTYPES, STRATEGIES, Engine
 from relay.parallel.hardware import current_memory, peak_memory, peak_since_reset, reset_peak
 from relay.parallel.ranks import (
     barrier,
+    cpu_setup,
     device,
     distributed,
     gather_objects,
@@ -56,6 +57,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "barrier",
     "compile_model",
+    "cpu_setup",
     "current_memory",
     "device",
     "distributed",

@@ -9,6 +9,8 @@ process group), never from environment variables.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -54,6 +56,24 @@ def set_threads(threads: int | None, reserved_cpus: float) -> None:
     """One intra-op thread per reserved CPU unless told otherwise: torch's default (all cores)
     oversubscribes a machine that several workers share."""
     torch.set_num_threads(threads or max(1, int(reserved_cpus)))
+
+
+def cpu_setup() -> dict[str, object]:
+    """What this process computes with on a CPU: torch's intra- and inter-op threads, the
+    OMP_NUM_THREADS it was started with, the cores it may run on and its niceness. Recorded
+    per rank (and by the torchrun baseline the same way), so that two runs compared side by
+    side can be seen to have run alike, or not."""
+    try:
+        affinity = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        affinity = None
+    return {
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "affinity": affinity,
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+    }
 
 
 def barrier() -> None:

@@ -194,6 +194,7 @@ def _prepare_worker(cfg: RunConfig, run_dir: Path, cpus: float):
         parallel.world_size(),
         node_id=ray.get_runtime_context().get_node_id(),
         node_ip=ray.util.get_node_ip_address(),
+        cpu=parallel.cpu_setup(),
     )
     return confined, beat
 

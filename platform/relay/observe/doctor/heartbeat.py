@@ -44,8 +44,9 @@ def read_all(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def placement(run_dir: Path) -> list[dict[str, Any]]:
-    """Where the current worker group's ranks ran: rank, host name, node IP and node id."""
-    keys = ("rank", "hostname", "node_ip", "node_id")
+    """Where the current worker group's ranks ran: rank, host name, node IP and node id, and
+    what each computed with (`cpu`: threads, allowed cores, niceness; parallel.cpu_setup)."""
+    keys = ("rank", "hostname", "node_ip", "node_id", "cpu")
     return [{key: record.get(key) for key in keys} for record in read_all(run_dir)]
 
 
@@ -63,6 +64,7 @@ class Heartbeat:
         *,
         node_id: str | None = None,
         node_ip: str | None = None,
+        cpu: dict[str, Any] | None = None,
         interval_s: float = 1.0,
     ) -> None:
         self._path = progress_path(run_dir, rank)
@@ -75,6 +77,7 @@ class Heartbeat:
             "hostname": socket.gethostname(),
             "node_ip": node_ip,
             "node_id": node_id,
+            "cpu": cpu,
             "pid": os.getpid(),
             # The thread that trains (Ray Train runs the loop in a thread of its own): the
             # doctor reads this thread's stack out of the process's.
