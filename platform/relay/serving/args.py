@@ -8,7 +8,14 @@ import json
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from relay.config import NAME_PATTERN
 from relay.version import __version__
@@ -118,6 +125,26 @@ class AppArgs(ReplicaArgs):
 
     def replica_args(self) -> ReplicaArgs:
         return ReplicaArgs.model_validate(self.model_dump(include=set(ReplicaArgs.model_fields)))
+
+
+class BadOption(ValueError):
+    """A serving option that AppArgs refused, named the way the caller wrote it."""
+
+
+def app_args(refs: list[str], options: dict[str, Any], *, flags: bool) -> AppArgs:
+    """AppArgs for the models `refs` and the serving `options`. BadOption names the first
+    option at fault as the caller wrote it: a flag (`--max-batch-size`) for the command line,
+    a keyword (`max_batch_size`) for Python; a rule between options is said on its own."""
+    try:
+        return AppArgs(model=refs, **options)
+    except ValidationError as exc:
+        item = exc.errors()[0]
+        message = item["msg"].removeprefix("Value error, ")
+        if not item["loc"]:
+            raise BadOption(message) from None
+        parts = [str(part) for part in item["loc"]]
+        where = "--" + "-".join(parts).replace("_", "-") if flags else ".".join(parts)
+        raise BadOption(f"{where}: {message}") from None
 
 
 def replica_version(args: ReplicaArgs) -> str:

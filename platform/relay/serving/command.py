@@ -179,18 +179,12 @@ def _stop_on_signals() -> dict[int, Any]:
 
 def _app_args(refs: list[str], options: dict[str, Any]):
     """AppArgs from the command line, or the one-line message for a bad flag."""
-    from pydantic import ValidationError
-
-    from relay.serving.args import AppArgs
+    from relay.serving.args import BadOption, app_args
 
     try:
-        return AppArgs(model=refs, **options), None
-    except ValidationError as exc:
-        item = exc.errors()[0]
-        if not item["loc"]:  # a rule between fields
-            return None, item["msg"].removeprefix("Value error, ")
-        flag = "--" + "-".join(str(part) for part in item["loc"]).replace("_", "-")
-        return None, f"{flag}: {item['msg'].removeprefix('Value error, ')}"
+        return app_args(refs, options, flags=True), None
+    except BadOption as exc:
+        return None, str(exc)
 
 
 def resolve(app_args, allow_task: list[str]) -> tuple[list, str | None]:

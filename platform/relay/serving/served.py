@@ -47,18 +47,15 @@ class Served:
 
 def app_args(refs: Sequence[str], options: dict[str, Any]):
     """AppArgs for `refs` and `options`, or ConfigError naming the option at fault."""
-    from pydantic import ValidationError
-
-    from relay.serving.args import AppArgs
+    from relay.serving.args import BadOption
+    from relay.serving.args import app_args as build
 
     if isinstance(refs, str) or not refs:
         raise ConfigError("refs: name one model or more, e.g. relay.serve('digits:best')")
     try:
-        return AppArgs(model=list(refs), **options)
-    except ValidationError as exc:
-        item = exc.errors()[0]
-        where = ".".join(str(part) for part in item["loc"]) or "options"
-        raise ConfigError(f"{where}: {item['msg'].removeprefix('Value error, ')}") from None
+        return build(list(refs), options, flags=False)
+    except BadOption as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def start(args, allow_task: Sequence[str], host: str, port: int) -> Served:
