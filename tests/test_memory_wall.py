@@ -22,6 +22,7 @@ from relay.config import from_dict
 from relay.records import history, registry
 from relay.runtime import worker_memory
 from relay.training import plan
+from relay.training.efficiency.on_workers import PROBE_PASS_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -123,6 +124,10 @@ def test_fsdp_trains_checkpoints_and_resumes_under_the_same_limit(ray_cluster, r
     epochs = [e["epoch"] for e in history.read_raw(run_dir)]
     # The restarted group took up from epoch 1's checkpoint: no epoch trained twice.
     assert epochs == [1, 2], epochs
+    # A step of this model takes seconds: the efficiency report timed one step per pass (after
+    # a warm-up one), not three, so it cost the run a few steps' time.
+    assert result.efficiency["step"]["probe_steps_per_pass"] == 1
+    assert result.efficiency["step"]["step_s"] > PROBE_PASS_S, result.efficiency["step"]
     assert result.memory["mechanism"] in ("cgroup", "rlimit")
     assert result.memory["bytes"] == 512 * 2**20
 

@@ -172,6 +172,8 @@ def test_efficiency_reports_match_independent_counts(strategy_sweep):
     for strategy, report in reports.items():
         t, f = report["throughput"], report["flops"]
         assert report["workers"] == 2 and report["mixed_precision"] == "bf16"
+        # Steps of milliseconds: the step split is timed over the full 3 steps a pass.
+        assert report["step"]["probe_steps_per_pass"] == 3
         _checked_throughput(report, runs[strategy], rows)
         # Tokens: every sample predicts block_size characters.
         assert t["units_per_s"] == pytest.approx(t["samples_per_s"] * hp.block_size)

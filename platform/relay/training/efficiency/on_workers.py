@@ -41,6 +41,29 @@ PEAK_PROBE = {
 }
 
 
+# The step split times the same micro-batch in passes of up to PROBE_STEPS forward/backwards
+# (2 passes, or 4 when communication is measured: each timed pass after a warm-up one). A pass
+# is held to about PROBE_PASS_S of training's own step time, never below one step: a model
+# whose step takes seconds pays a few extra steps for its report, not a dozen.
+PROBE_STEPS = 3
+PROBE_PASS_S = 2.0
+
+
+def probe_steps(micro_step_s: float) -> int:
+    """Forward/backwards per timed pass for a training micro-step of `micro_step_s`."""
+    return max(1, min(PROBE_STEPS, int(PROBE_PASS_S // max(micro_step_s, 1e-9))))
+
+
+def _slowest_micro_step_s(epochs: Epochs, grad_accum: int) -> float:
+    """Training's seconds per micro-step in the last pass, the slowest rank's (every rank gets
+    the same figure, so all time the same number of steps: they run in lock-step)."""
+    from relay import parallel
+
+    last = epochs.passes[-1]
+    mine = last["seconds"] / max(1, last["steps"] * grad_accum)
+    return max(parallel.gather_objects(mine))
+
+
 def matmul_peak(dtype: torch.dtype) -> dict[str, float]:
     """This worker's best dense matmul rate, as PEAK_PROBE says: {"flops_per_s", "size"}."""
     import math
@@ -96,8 +119,9 @@ def measure(
     # worker's hard memory limit that would end it after training succeeded, so there only
     # the synchronised pass is timed.
     sync_only = bool(cfg.scaling.memory_per_worker) and cfg.parallel.strategy == "fsdp"
+    steps = probe_steps(_slowest_micro_step_s(epochs, cfg.parallel.grad_accum))
     timings = engine.time_micro_steps(
-        lambda: task.loss_and_stats(engine.model, batch)[0], sync_only=sync_only
+        lambda: task.loss_and_stats(engine.model, batch)[0], steps=steps, sync_only=sync_only
     )
     dtype = engine.compute_dtype
     parallel.barrier()  # every rank measures its peak at once: the cores are shared as in training
@@ -121,6 +145,7 @@ def measure(
             "matmul_peak_size": peak["size"],
             "threads": _threads(),
             "probe_samples": len(next(iter(batch.values()))),
+            "probe_steps": steps,
             **timings,
         }
     )
@@ -274,6 +299,7 @@ def _step_part(cfg, steady: dict[str, Any], ranks: list[dict[str, Any]]) -> dict
         if comm_measured
         else "not measured (fsdp under scaling.memory_per_worker): comm counts as compute",
         "comm_measured": comm_measured,
+        "probe_steps_per_pass": ranks[0]["probe_steps"],
     }
 
 
