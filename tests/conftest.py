@@ -78,7 +78,9 @@ def ray_cluster(relay_home):
     from relay.runtime import cluster
 
     os.environ["RAY_ADDRESS"] = "local"  # never join a `ray start` cluster another test runs
-    cluster.connect(num_cpus=4)
+    # With Ray's dashboard (off by default in clusters relay starts): tests here read actors
+    # through Ray's state API, which the dashboard serves.
+    cluster.connect(num_cpus=4, dashboard=True)
     yield ray
 
 

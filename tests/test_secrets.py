@@ -156,7 +156,7 @@ TELEMETRY_PROBE = textwrap.dedent(
     from relay.runtime import cluster
     from relay.observe.tracking import mlflow_runs
 
-    cluster.connect(num_cpus=1)
+    cluster.connect(num_cpus=1, dashboard=True)  # the process that would send the report
     names = ("RAY_USAGE_STATS_ENABLED", "MLFLOW_DISABLE_TELEMETRY")
     worker = ray.get(ray.remote(num_cpus=0)(lambda: {n: os.environ.get(n) for n in names}).remote())
     # What the head's dashboard (the process that would send Ray's usage report) decided; asked

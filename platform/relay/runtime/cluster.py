@@ -91,6 +91,16 @@ TELEMETRY_OFF = {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "tr
 # a run whose workers can never be placed, e.g. behind a node the GCS wrongly declared dead,
 # would retry every minute without end). Ray fails at once a request the cluster could never
 # hold (InsufficientClusterResourcesError).
+# A cluster relay starts (`relay train/tune/serve` without RAY_ADDRESS) lives as long as that
+# command, and relay keeps its own records, report pages and doctor. Ray's dashboard would add
+# a dozen Python processes starting while the first epochs train: on a 2-core machine, 3
+# alternated pairs of 8-epoch digits runs (2 workers) reached the end of epoch 1 in a median
+# 15.4 s without it against 17.5 s with it, and trained at 1,945 against 1,750 samples/s
+# (epochs 2-8). So it is off there unless RELAY_RAY_DASHBOARD=1; a `ray start --head` cluster
+# (docs/clusters.md) keeps its own. Without it Ray's state API (`ray list`, ray.util.state) has
+# nothing to ask, and Ray sends no usage report (its dashboard sends it).
+DASHBOARD_ENV = "RELAY_RAY_DASHBOARD"
+
 WORKER_WAIT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 RUN_WORKER_WAIT_S = 60.0  # Ray 2.60's default (DEFAULT_WORKER_GROUP_START_TIMEOUT_S)
 # A sweep's trial may wait for workers as long as another trial trains (`SweepConfig.overlap`
@@ -185,10 +195,19 @@ def _local_runtime_env() -> dict:
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}}
 
 
-def connect(*, verbose: bool = False, num_cpus: int | None = None) -> None:
+def dashboard_wanted(dashboard: bool | None = None) -> bool:
+    """Whether a cluster started here runs Ray's dashboard: `dashboard` if given, else
+    RELAY_RAY_DASHBOARD=1 says so."""
+    return os.environ.get(DASHBOARD_ENV) == "1" if dashboard is None else dashboard
+
+
+def connect(
+    *, verbose: bool = False, num_cpus: int | None = None, dashboard: bool | None = None
+) -> None:
     """Join or start a cluster; quiet unless `verbose` (worker logs stay in Ray's log files).
-    Serve's settings for a cluster started here are relay/serving/ingress.py's business (set in
-    the environment before this call)."""
+    A cluster started here runs Ray's dashboard only when asked (`dashboard`, else
+    RELAY_RAY_DASHBOARD=1; see DASHBOARD_ENV). Serve's settings for a cluster started here are
+    relay/serving/ingress.py's business (set in the environment before this call)."""
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", REPORT_POLL_INTERVAL_S)
     switches = set_missing(RUN_SWITCHES) | set_missing(TELEMETRY_OFF)
     if ray.is_initialized():
@@ -201,6 +220,7 @@ def connect(*, verbose: bool = False, num_cpus: int | None = None) -> None:
         os.environ.setdefault("RAY_worker_niceness", WORKER_NICENESS)
         options["runtime_env"] = _local_runtime_env()
         options["num_cpus"] = num_cpus
+        options["include_dashboard"] = dashboard_wanted(dashboard)
     elif switches:
         # An existing cluster's processes do not inherit this environment: the switches go
         # in the job's runtime_env, which Ray merges with a `ray job submit` one (only keys
