@@ -93,10 +93,11 @@ TELEMETRY_OFF = {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "tr
 # hold (InsufficientClusterResourcesError).
 # A cluster relay starts (`relay train/tune/serve` without RAY_ADDRESS) lives as long as that
 # command, and relay keeps its own records, report pages and doctor. Ray's dashboard would add
-# a dozen Python processes starting while the first epochs train: on a 2-core machine, 3
-# alternated pairs of 8-epoch digits runs (2 workers) reached the end of epoch 1 in a median
-# 15.4 s without it against 17.5 s with it, and trained at 1,945 against 1,750 samples/s
-# (epochs 2-8). So it is off there unless RELAY_RAY_DASHBOARD=1; a `ray start --head` cluster
+# about ten Python processes, still starting while the first epochs train: on a 2-core machine
+# `ray.init`, one task and 2 s idle cost 8.2 CPU-s with it and 6.2 without, and 3 alternated
+# pairs of 8-epoch digits runs (2 workers) reached the end of epoch 1 in a median 15.4 s
+# without it against 17.5 s with it (steady throughput differed by less than its run-to-run
+# spread). So it is off there unless RELAY_RAY_DASHBOARD=1; a `ray start --head` cluster
 # (docs/clusters.md) keeps its own. Without it Ray's state API (`ray list`, ray.util.state) has
 # nothing to ask, and Ray sends no usage report (its dashboard sends it).
 DASHBOARD_ENV = "RELAY_RAY_DASHBOARD"
