@@ -348,6 +348,55 @@ def test_train_controllers_a_sweep_leaves_alive_are_ended_and_their_groups_relea
         ray.kill(before)
 
 
+def test_a_train_controller_that_appears_just_after_the_sweep_settles_is_ended_too(ray_cluster):
+    """A stopped trial's controller can reach the GCS a moment after the sweep looked settled:
+    the sweep waits until it has looked settled for `quiet_s`, so one that appears within that
+    time is killed and its group released as any stray controller's. Stand-in as above."""
+    import threading
+
+    import ray
+
+    from relay.runtime import ray_private
+
+    class TrainController:
+        def reserve(self) -> str:
+            from ray.util.placement_group import placement_group
+
+            group = placement_group([{"CPU": 1}])
+            ray.get(group.ready())
+            return group.id.hex()
+
+    TrainController.__qualname__ = "TrainController"
+    controller = ray.remote(num_cpus=0)(TrainController)
+    late: dict = {}
+
+    def arrive_late():
+        time.sleep(0.5)  # the block's body has returned and everything looked settled
+        late["actor"] = controller.remote()
+        try:
+            late["group"] = ray.get(late["actor"].reserve.remote())
+        except ray.exceptions.RayActorError:
+            late["group"] = None  # killed before its group was ready: as good
+
+    def live_groups() -> set[str]:
+        table = ray.util.placement_group_table()
+        return {id_ for id_, group in table.items() if group["state"] != "REMOVED"}
+
+    before = live_groups()
+    arriving = threading.Thread(target=arrive_late, daemon=True)
+    with ray_private.reclaiming_orphans(interval_s=0.5, settle_s=30, grace_s=1, quiet_s=3):
+        arriving.start()
+    arriving.join(timeout=30)
+    assert "actor" in late and "group" in late, late
+    # Dead, and it holds no group (made and released, or never made).
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(late["actor"].reserve.remote(), timeout=30)
+    deadline = time.monotonic() + 10
+    while live_groups() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert live_groups() - before == set()
+
+
 def test_sweep_config_errors_name_the_field():
     base = yaml.safe_load((REPO / "jobs/configs/digits-sweep.yaml").read_text())
     base["train"] = yaml.safe_load((REPO / "jobs/configs/digits.yaml").read_text())

@@ -174,7 +174,7 @@ def release_orphaned_placement_groups() -> list[str]:
 
 @contextmanager
 def reclaiming_orphans(
-    interval_s: float = 2.0, settle_s: float = 60.0, grace_s: float = 10.0
+    interval_s: float = 2.0, settle_s: float = 60.0, grace_s: float = 10.0, quiet_s: float = 3.0
 ) -> Iterator[None]:
     """Release orphaned placement groups every `interval_s` while the block runs, and at its
     end until this job has no Train controller alive but those alive before the block, and no
@@ -190,6 +190,11 @@ def reclaiming_orphans(
     under way when its trial actor died can come alive without an owner and then holds its
     worker group for as long as the job runs; a CI run was left with one CREATED group after
     the whole settle wait.)
+
+    Settled means settled for `quiet_s`: such a controller can also reach the GCS after the
+    first settled look (a CI run was left with a CREATED group of a stopped ASHA trial that
+    outlived the sweep and the next test), and any that appears in that time is waited for,
+    then killed, as above.
     """
     job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
     # Controllers alive before the block are another run's of this process, not the block's.
@@ -200,9 +205,14 @@ def reclaiming_orphans(
     finally:
         start = time.monotonic()
         killed: set[str] = set()
+        settled_at = None
         while time.monotonic() < start + settle_s:
             release_orphaned_placement_groups()
-            if _settled(job, others):
+            if not _settled(job, others):
+                settled_at = None
+            elif settled_at is None:
+                settled_at = time.monotonic()
+            elif time.monotonic() - settled_at >= quiet_s:
                 break
             if time.monotonic() > start + grace_s:
                 stray = alive_actor_ids("TrainController", job, not_dead=True) - others - killed
