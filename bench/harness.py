@@ -97,7 +97,7 @@ def spread_text(s: dict[str, float], fmt: str = "{:.3f}", prefix: str = "") -> s
     return f"{median} ({low}-{high})"
 
 
-# --- temporary storage -----------------------------------------------------------------------
+# --- what each side ran with ------------------------------------------------------------------
 
 
 def cpu_differences(sides: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -123,6 +123,9 @@ def cpu_text(setups: list[dict[str, Any]]) -> str:
     if len(set(texts)) == 1:
         return f"{len(texts)} rank(s): {texts[0]}"
     return "; ".join(f"rank {i}: {text}" for i, text in enumerate(texts))
+
+
+# --- temporary storage -----------------------------------------------------------------------
 
 
 def scratch(name: str) -> tempfile.TemporaryDirectory:

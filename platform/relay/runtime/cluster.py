@@ -84,13 +84,6 @@ RUN_SWITCHES = {
 TELEMETRY_OFF = {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true"}
 
 
-# How long one start of a worker group waits for its placement group, read by the Train
-# controller, which Ray hands it from the caller of fit() (ENV_VARS_TO_PROPAGATE). A start that
-# waits longer fails as a controller failure, retried up to FailureConfig's
-# `controller_failure_limit` (relay's `failure.start_failures`; Ray's default is unlimited, so
-# a run whose workers can never be placed, e.g. behind a node the GCS wrongly declared dead,
-# would retry every minute without end). Ray fails at once a request the cluster could never
-# hold (InsufficientClusterResourcesError).
 # A cluster relay starts (`relay train/tune/serve` without RAY_ADDRESS) lives as long as that
 # command, and relay keeps its own records, report pages and doctor. Ray's dashboard would add
 # about ten Python processes, still starting while the first epochs train: on a 2-core machine
@@ -102,6 +95,13 @@ TELEMETRY_OFF = {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "tr
 # nothing to ask, and Ray sends no usage report (its dashboard sends it).
 DASHBOARD_ENV = "RELAY_RAY_DASHBOARD"
 
+# How long one start of a worker group waits for its placement group, read by the Train
+# controller, which Ray hands it from the caller of fit() (ENV_VARS_TO_PROPAGATE). A start that
+# waits longer fails as a controller failure, retried up to FailureConfig's
+# `controller_failure_limit` (relay's `failure.start_failures`; Ray's default is unlimited, so
+# a run whose workers can never be placed, e.g. behind a node the GCS wrongly declared dead,
+# would retry every minute without end). Ray fails at once a request the cluster could never
+# hold (InsufficientClusterResourcesError).
 WORKER_WAIT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 RUN_WORKER_WAIT_S = 60.0  # Ray 2.60's default (DEFAULT_WORKER_GROUP_START_TIMEOUT_S)
 # A sweep's trial may wait for workers as long as another trial trains (`SweepConfig.overlap`
@@ -196,12 +196,6 @@ def _local_runtime_env() -> dict:
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}}
 
 
-def dashboard_wanted(dashboard: bool | None = None) -> bool:
-    """Whether a cluster started here runs Ray's dashboard: `dashboard` if given, else
-    RELAY_RAY_DASHBOARD=1 says so."""
-    return os.environ.get(DASHBOARD_ENV) == "1" if dashboard is None else dashboard
-
-
 def connect(
     *, verbose: bool = False, num_cpus: int | None = None, dashboard: bool | None = None
 ) -> None:
@@ -221,7 +215,9 @@ def connect(
         os.environ.setdefault("RAY_worker_niceness", WORKER_NICENESS)
         options["runtime_env"] = _local_runtime_env()
         options["num_cpus"] = num_cpus
-        options["include_dashboard"] = dashboard_wanted(dashboard)
+        if dashboard is None:
+            dashboard = os.environ.get(DASHBOARD_ENV) == "1"
+        options["include_dashboard"] = dashboard
     elif switches:
         # An existing cluster's processes do not inherit this environment: the switches go
         # in the job's runtime_env, which Ray merges with a `ray job submit` one (only keys
