@@ -16,6 +16,12 @@ Train run after `ray.init` pays for cold caches), runs in this order:
           when relay's fit() starts: connect, prepare, worker group, model and data, first step).
   trial   a 1-trial sweep through `relay.tuning.sweep.run` (the same task, 1 epoch): inside the Tune
           trial, relay's `fit()` → the end of its first step, from that trial's run record.
+  trials_actor, trials_group
+          a sweep of 4 one-worker trials, one at a time (the same task, 1 epoch each), its
+          trials trained in their Tune actors (`in_actor`, relay's default for one worker) or
+          each by a TorchTrainer of its own (`in_actor: false`). Per trial after the first:
+          `gap` (the previous trial's run finished → this trial's first epoch begins: all a
+          sequential sweep pays per trial) and `startup` (its fit() → first epoch begins).
 
 A Train callback (`Marks`, here) stamps, on the controller, when it started and when its worker
 group began and finished starting (placement group, worker actors, torch process group): so
@@ -44,6 +50,7 @@ and per figure what the relay side saves over each other side (median difference
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -63,7 +70,8 @@ REPO = HERE.parent
 # (ray/train/v2/_internal/constants.py, ray/train/constants.py).
 RAY_DEFAULTS = {key: "1" for key in RUN_SWITCHES}
 MARKS_ENV = "RELAY_BENCH_STARTUP_MARKS"
-RUNS = ("floor", "run", "trial")
+RUNS = ("floor", "run", "trial", "trials_actor", "trials_group")
+TRIALS = 4  # per trials_* sweep
 
 
 # --- on the controller: when it and its worker group started ----------------------------------
@@ -205,6 +213,42 @@ def trial_run(workers: int, storage: Path) -> dict:
     return relay_parts(record, read_marks(Path(os.environ[MARKS_ENV]), trial["run_id"]))
 
 
+def sequential_trials(storage: Path, in_actor: bool) -> dict:
+    """A sweep of TRIALS one-worker trials, one at a time: medians over trials 2..TRIALS."""
+    from datetime import datetime
+    from statistics import median
+
+    from relay.config import sweep_from_dict
+    from relay.records import registry
+    from relay.tuning import sweep
+
+    spec = {
+        "name": f"startup-{'actor' if in_actor else 'group'}",
+        "train": task_settings(1, storage),
+        "search": {"optim.lr": {"grid": [1e-3 * (i + 1) for i in range(TRIALS)]}},
+        "num_samples": 1,
+        "max_concurrent_trials": 1,
+        "asha": {"enabled": False},
+        "in_actor": in_actor,
+    }
+    cfg = sweep_from_dict(spec)
+    assert sweep.trains_in_actor(cfg) == in_actor
+    result = sweep.run(cfg, out=None)
+    records = [registry.get_run(storage, t["run_id"]) for t in result.trials]
+    records.sort(key=lambda r: r["started_at"])
+
+    def at(stamp: str) -> float:
+        return datetime.fromisoformat(stamp).timestamp()
+
+    later = list(itertools.pairwise(records))
+    gaps = [at(r["started_at"]) + r["startup_s"] - at(prev["finished_at"]) for prev, r in later]
+    return {
+        "gap_s": median(gaps),
+        "startup_s": median(r["startup_s"] for _, r in later),
+        "first_startup_s": records[0]["startup_s"],
+    }
+
+
 def actor_counts() -> dict[str, int]:
     from ray.util.state import list_actors
 
@@ -238,8 +282,10 @@ def child(args: argparse.Namespace) -> None:
                 out["floor"] = floor_run(args.workers, resources, storage / "floor", "floor")
             elif name == "run":
                 out["run"] = relay_run(args.workers, storage)
-            else:  # Tune's trial actor calls fit(): it has RAY_TRAIN_CALLBACKS from the cluster
+            elif name == "trial":  # Tune's trial actor calls fit(): RAY_TRAIN_CALLBACKS is set
                 out["trial"] = trial_run(args.workers, storage)
+            else:
+                out[name] = sequential_trials(storage / name, in_actor=name == "trials_actor")
         out["actors"] = actor_counts()
         out["switches"] = {key: os.environ.get(key) for key in RAY_DEFAULTS}
         ray.shutdown()
@@ -341,7 +387,10 @@ def main(argv: list[str] | None = None) -> int:
             began = time.perf_counter()
             result = run_child(side, args, Path(home))
             rounds.append(result)
-            shown = "  ".join(f"{run} {result[run]['total_s']:.2f} s" for run in args.runs)
+            shown = "  ".join(
+                f"{run} {result[run].get('total_s', result[run].get('gap_s')):.2f} s"
+                for run in args.runs
+            )
             print(f"  {side:<14} {shown}  ({time.perf_counter() - began:.0f} s)", flush=True)
     summary = summarise(rounds, args.sides, args.runs)
     print_table(summary, args.sides, args.runs)
@@ -351,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         side: {
             run: summary[side][run]["total_s"]["median"] - base[run]["total_s"]["median"]
             for run in args.runs
+            if "total_s" in base[run]
         }
         for side in args.sides
         if side != "relay"
@@ -363,6 +413,14 @@ def main(argv: list[str] | None = None) -> int:
         "trial_startup_s": base["trial"]["total_s"]["median"] if "trial" in args.runs else None,
         "run_startup_s": base["run"]["total_s"]["median"] if "run" in args.runs else None,
         "floor_s": floor_side["floor"]["total_s"]["median"] if "floor" in args.runs else None,
+        # One-worker trials after the first, in a sequential sweep (relay side): in their
+        # actors, and each a TorchTrainer run.
+        **{
+            f"{run}_{key}": base[run][key]["median"]
+            for run in ("trials_actor", "trials_group")
+            if run in args.runs
+            for key in ("gap_s", "startup_s")
+        },
         "saved_s": saved,
         "sides": summary,
         "rounds": rounds,

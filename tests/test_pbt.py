@@ -83,6 +83,7 @@ def test_pbt_trials_continue_from_a_better_trial_with_a_perturbed_lr(ray_cluster
         donor_run, from_epoch = record["pbt"]["from_run"], record["pbt"]["from_epoch"]
         assert from_epoch == INTERVAL
         assert record["pbt"]["from_trial"] != trial["trial_id"]
+        assert record["worker_group"] is False  # one worker: trained in the trial's actor
         # The exploited stretch is a Train run of its own that starts at the donor's epoch + 1.
         after = history.read(runs / later["run_id"])
         assert [e["epoch"] for e in after] == list(range(from_epoch + 1, EPOCHS + 1))
@@ -208,9 +209,13 @@ def test_a_killed_pbt_sweep_resumes_from_its_trials_checkpoints(ray_cluster, tmp
     interval; the resume (in this process, as `relay tune --resume` runs it; the killed
     driver has a cluster of its own) finishes the population from those checkpoints: every
     epoch trained after the resume comes after the interval (nothing restarts from scratch),
-    every trial ends at the last epoch, and the sweep is finished."""
+    every trial ends at the last epoch, and the sweep is finished.
+
+    Its trials are TorchTrainer runs (`in_actor: false`, the path of multi-worker trials, whose
+    reports reach Tune through pbt's mailbox): in-actor trials of this size end the whole sweep
+    within the second or two the kill needs."""
     storage = tmp_path / "storage"
-    spec = pbt_spec(storage, num_samples=2)
+    spec = pbt_spec(storage, num_samples=2, in_actor=False)
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(spec))
     env = subprocess_env(TUNE_GLOBAL_CHECKPOINT_S="1")  # Tune saves its state every second

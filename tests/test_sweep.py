@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from support import REPO, subprocess_env, sweep_driver
 from relay.checkpoints import checkpoint
 from relay.cli import main as relay_main
 from relay.config import ConfigError, SweepConfig, load_sweep, sweep_from_dict
+from relay.observe import doctor
 from relay.records import history, registry, report
 from relay.tuning import promotion, sweep
 
@@ -112,6 +116,8 @@ def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
     assert stopped and all(t["epochs_run"] < cfg.asha.max_t for t in stopped)
     for trial in stopped:  # the registry says so too
         assert registry.get_run(storage, trial["run_id"])["status"] == "stopped"
+    for trial in result.trials:  # one worker each: trained in its trial's actor
+        assert registry.get_run(storage, trial["run_id"])["worker_group"] is False
     # Tune stops a trial at max_t too, by killing its actor: its fit() may not have written
     # its record's end (as seen on the namespace hosts); the sweep settles it from Ray Train's
     # own record. Here: as fit() would have written it, checked against what fit() did write.
@@ -193,15 +199,14 @@ def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(ray_cluster, st
     and alone trains to max_t; the sweep ends by stopping every trial still paused. The killed
     driver has a cluster of its own (a driver killed in the shared one could leave groups
     there that later tests would miss); the resumed one is this process, as `relay tune
-    --resume` runs it, so that what it leaves behind can be seen."""
+    --resume` runs it, so that what it leaves behind can be seen.
 
-    cfg = sweep_config(
-        storage,
-        search={"optim.lr": {"grid": [3e-3, 1e-6, 1e-5, 1e-2]}},
-        max_concurrent_trials=1,
-        asha={"grace_period": 1, "reduction_factor": 2, "strategy": "promote"},
-    )
-    assert sweep.promotion_rungs(cfg) == [1, 2]
+    Its trials are TorchTrainer runs (`in_actor: false`, the path of multi-worker trials): the
+    kill needs the time a trial's start takes, between the first pause and the second trial's
+    arrival at rung 1. In-actor trials: test_promotion_in_trial_actors_..."""
+
+    cfg = promotion_config(storage, in_actor=False)
+    assert not sweep.trains_in_actor(cfg)
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json())))
     # Tune saves its experiment state at most every 10 s ("auto"); 1 s here: less to wait for.
@@ -234,9 +239,44 @@ def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(ray_cluster, st
 
     result = sweep.run(sweep.load_spec(storage, sweep_dir.name), resume=sweep_dir.name, out=None)
     assert placement_groups_left() == []
-
     trials = {t["config"]["optim.lr"]: t for t in result.trials}
     assert trials[3e-3]["trial_id"] == first  # the grid's order: the good lr came first
+    assert_promotion_decisions(storage, result)
+
+
+@pytest.mark.slow
+def test_promotion_in_trial_actors_pauses_and_resumes_the_promoted(ray_cluster, storage):
+    """The same promotion sweep, its one-worker trials trained in their Tune trial actors, not
+    interrupted: the same decisions at every rung, the promoted trial's run resumed in place
+    from its rung-1 checkpoint."""
+    cfg = promotion_config(storage)
+    assert sweep.trains_in_actor(cfg)
+    result = sweep.run(cfg, out=None)
+    assert placement_groups_left() == []
+    assert_promotion_decisions(storage, result)
+    # A run in its trial's actor waits at the rung inside its report: nothing ran ahead.
+    (promoted,) = [t for t in result.trials if t["config"]["optim.lr"] == 3e-3]
+    run_dir = registry.get_run(storage, promoted["run_id"])["run_dir"]
+    assert [e["epoch"] for e in history.read_raw(run_dir) if "train_loss" in e] == [1, 2]
+
+
+def promotion_config(storage: Path, **fields) -> SweepConfig:
+    """asha.strategy promote, one trial at a time, rungs at epochs 1 and 2 of 4 (rf 2)."""
+    cfg = sweep_config(
+        storage,
+        search={"optim.lr": {"grid": [3e-3, 1e-6, 1e-5, 1e-2]}},
+        max_concurrent_trials=1,
+        asha={"grace_period": 1, "reduction_factor": 2, "strategy": "promote"},
+        **fields,
+    )
+    assert sweep.promotion_rungs(cfg) == [1, 2]
+    return cfg
+
+
+def assert_promotion_decisions(storage: Path, result: sweep.SweepResult) -> None:
+    """What `promotion_config`'s sweep decides (the docstring of test_promotion_asha_...)."""
+    sweep_dir = Path(result.sweep_dir)
+    trials = {t["config"]["optim.lr"]: t for t in result.trials}
     # Tune's view: the epochs each trial was let train before its last decision
     assert {lr: t["epochs_run"] for lr, t in trials.items()} == {
         3e-3: 2,  # paused at rung 1, promoted, paused at rung 2 behind 1e-2, stopped at the end
@@ -250,7 +290,7 @@ def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(ray_cluster, st
     # Every rung's decisions, across the kill: all four ranked at rung 1, where 3e-3 was kept
     # on the second's arrival and 1e-2 on its own; 1e-2 alone passed rung 2.
     ids = {lr: t["trial_id"] for lr, t in trials.items()}
-    final = rungs(sweep_dir)
+    final = {r["epoch"]: r for r in json.loads((sweep_dir / promotion.STATE).read_text())["rungs"]}
     assert set(final[1]["recorded"]) == set(ids.values())
     assert set(final[1]["promoted"]) == {ids[3e-3], ids[1e-2]}
     assert set(final[2]["recorded"]) == {ids[3e-3], ids[1e-2]}
@@ -263,13 +303,58 @@ def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(ray_cluster, st
     record = registry.get_run(storage, trials[3e-3]["run_id"])
     assert record["resumes"] == 1, record
     attempts = [e["epoch"] for e in history.read_raw(record["run_dir"]) if "train_loss" in e]
-    restart = next(i for i in range(1, len(attempts)) if attempts[i] <= attempts[i - 1])
+    # (a stretch that did not run ahead continues at the next index)
+    restart = next((i for i in range(1, len(attempts)) if attempts[i] <= attempts[i - 1]), 1)
     assert attempts[0] == 1 and attempts[restart] == 2, attempts
     # Trials started after the resume, one at a time: 1e-5 paused for good, never resumed;
     # 1e-2 started only once 1e-5 had paused (else it would have met rung 2 first and waited
     # there), so it ran straight through.
     for lr in (1e-5, 1e-2):
         assert registry.get_run(storage, trials[lr]["run_id"]).get("resumes") == 0, lr
+
+
+@pytest.mark.slow
+def test_a_killed_trial_actor_resumes_its_run_from_the_last_checkpoint(ray_cluster, storage):
+    """A one-worker trial trains in its Tune trial actor. SIGKILL that actor mid-run: Tune
+    starts the trial again (from train.failure.max_failures), its run resumes from the last
+    checkpoint it recorded, and the kill cost at most the epochs since that checkpoint."""
+    cfg = sweep_config(
+        storage, epochs=30, search={"optim.lr": {"grid": [3e-3]}}, asha={"enabled": False}
+    )
+    cfg.train.checkpoint.every = 2
+    assert sweep.trains_in_actor(cfg)
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(sweep.run(cfg, out=None)))
+    thread.start()
+    runs = storage / "runs"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        run_dirs = list(runs.glob("*")) if runs.is_dir() else []
+        latest = run_dirs and checkpoint.latest_registered(run_dirs[0])
+        if latest and latest[1] >= 3:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the trial never checkpointed its third epoch")
+    (run_dir,) = run_dirs
+    (beat,) = doctor.heartbeat.read_all(run_dir)
+    killed_at = time.time()
+    os.kill(beat["pid"], signal.SIGKILL)  # the trial's actor: it trains in that process
+    thread.join(timeout=300)
+    assert not thread.is_alive(), "the sweep did not end"
+
+    ((trial,),) = [r.trials for r in results]
+    assert (trial["status"], trial["epochs_run"]) == ("completed", 30), trial
+    record = registry.get_run(storage, trial["run_id"])
+    assert record["status"] == "finished" and record["resumes"] == 1, record
+    assert record["worker_group"] is False  # it trained in the trial's actor
+    trained = [e for e in history.read_raw(run_dir) if "train_loss" in e]
+    before = [e["epoch"] for e in trained if e["time"] < killed_at]
+    after = [e["epoch"] for e in trained if e["time"] >= killed_at]
+    resumed_from = after[0] - 1  # the epoch of the checkpoint it continued from
+    assert resumed_from % cfg.train.checkpoint.every == 0 and resumed_from >= 2, (before, after)
+    assert before[-1] - resumed_from <= cfg.train.checkpoint.every, (before, after)
+    assert after == list(range(resumed_from + 1, 31)), after
 
 
 def test_placement_groups_of_dead_actors_are_released(ray_cluster):

@@ -171,6 +171,12 @@ class SweepConfig(BaseModel):
         "null; not pbt): each prepares its driver, controller and data while others train, and "
         "its workers start when a running trial ends.",
     )
+    in_actor: bool = Field(
+        True,
+        description="Trials of one worker (object-store data, no memory limit, whole "
+        "checkpoints) train inside their Tune trial's actor, reused from trial to trial, "
+        "instead of a worker group of their own; false: every trial is a TorchTrainer run.",
+    )
     model_name: str | None = Field(
         None, description="Register the best trial under this model; null: the task's name."
     )

@@ -7,15 +7,19 @@ What is here: Ray Train's worker-group start-up timeout (an `_internal` exceptio
 a Train run's controller gets, the GCS's placement-group and actor tables (for orphaned groups of
 killed trials), Serve's `_internal` version flag, and three subclasses that replace private
 methods: TorchTrainer (callbacks, failure policy), PopulationBasedTraining (seeded decisions),
-and Train's default failure policy (out-of-memory ends a run).
+and Train's default failure policy (out-of-memory ends a run); and Train's checkpoint manager,
+for runs trained in a Tune trial's own process (`RunCheckpoints`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -39,11 +43,15 @@ PRIVATE_NAMES = {
     "ray.train.v2._internal.callbacks.datasets": ["DatasetsCallback"],
     "ray.train.v2._internal.execution.failure_handling.default": ["DefaultFailurePolicy"],
     "ray.train.v2._internal.execution.failure_handling.failure_policy": ["FailureDecision"],
+    "ray.train.v2._internal.execution.checkpoint.checkpoint_manager": ["CheckpointManager"],
+    "ray.train.v2._internal.execution.storage": ["StorageContext"],
+    "ray.train.v2._internal.execution.training_report": ["_TrainingReport"],
 }
 # Private attributes and methods of public Ray classes that relay reads or overrides.
 PRIVATE_MEMBERS = {
     "ray.train.torch:TorchTrainer": ["_create_default_callbacks", "_initialize_and_run_controller"],
     "ray.tune.schedulers:PopulationBasedTraining": ["_checkpoint_or_exploit"],
+    "ray.train:Result": ["_from_checkpoint_manager"],
 }
 # Ray Data's Parquet planner logs through this logger (relay/training/data/sources.py quiets it).
 PARQUET_PLANNER_LOGGER = "ray.data._internal.datasource.parquet_datasource"
@@ -374,3 +382,65 @@ def _out_of_memory_ends_the_run() -> type:
             return super().make_decision(training_failed_error)
 
     return OutOfMemoryEndsTheRun
+
+
+class RunCheckpoints:
+    """The checkpoints of a run trained in this process (a one-worker Tune trial in its own
+    actor: relay/training/hosts.py), kept as a Ray Train controller keeps a run's: each copied
+    to `<runs>/<run id>/<dir name>`, the best `num_to_keep` kept by the config's score, Train's
+    snapshot written beside them. So `Result.from_path`, a resume (`latest`) and relay's
+    records read such a run as any other. A run that has a snapshot continues from it.
+
+    Private: Train's CheckpointManager and StorageContext are `_internal`. Ray 2.60's public
+    way to train without a worker group (TorchTrainer's local mode, `num_workers=0`) keeps only
+    the last checkpoint, in memory, and calls no callbacks."""
+
+    def __init__(self, run_dir: Path, config) -> None:
+        from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import (
+            CheckpointManager,
+        )
+        from ray.train.v2._internal.execution.storage import StorageContext
+
+        self._storage = StorageContext(
+            storage_path=str(run_dir.parent), experiment_dir_name=run_dir.name
+        )
+        self._manager = CheckpointManager(checkpoint_config=config, storage_context=self._storage)
+        # The manager wakes its waiters with asyncio tasks: one loop, for this run's reports.
+        self._loop = asyncio.new_event_loop()
+
+    def latest(self):
+        """The run's latest checkpoint (a ray.train.Checkpoint), or None."""
+        latest = self._manager.latest_checkpoint_result
+        return latest.checkpoint if latest else None
+
+    def add(self, directory: Path, dir_name: str, metrics: dict[str, Any]):
+        """Copy the checkpoint at `directory` into the run as `dir_name`, register it with
+        `metrics` (which may delete worse ones); returns the stored ray.train.Checkpoint."""
+        from ray.train import Checkpoint
+        from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+        stored = self._storage.persist_current_checkpoint(
+            Checkpoint.from_directory(str(directory)), dir_name
+        )
+        report = _TrainingReport(checkpoint=stored, metrics=metrics, validation=False)
+
+        async def register() -> None:
+            self._manager.register_checkpoint(report)
+            await asyncio.sleep(0)  # the manager's notify task
+
+        self._loop.run_until_complete(register())
+        return stored
+
+    def result(self, metrics: dict[str, Any] | None, return_value: Any):
+        """The run's ray.train.Result, as `fit()` returns it: the last reported `metrics` (None:
+        its latest checkpoint's, as for a run resumed after its last epoch), the latest and best
+        checkpoints, the loop's return value."""
+        from ray.train import Result
+
+        self._loop.close()
+        result = Result._from_checkpoint_manager(
+            checkpoint_manager=self._manager, storage_context=self._storage
+        )
+        if metrics is None:
+            return dataclasses.replace(result, return_value=return_value)
+        return dataclasses.replace(result, metrics=metrics, return_value=return_value)

@@ -53,41 +53,13 @@ def new_run_id(name: str) -> str:
     return f"{name}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
-def build_trainer(
-    cfg: RunConfig,
-    run_id: str,
-    data: RunData,
-    callbacks: list | None = None,
-    init_checkpoint: str | None = None,
-):
-    import ray.train
-
-    from relay.training.worker_loop import train_loop_per_worker
-
-    runs_root = registry.runs_root(cfg.storage_path())
-    scaling = ray.train.ScalingConfig(
-        num_workers=cfg.scaling.num_workers,  # an int, or (min, max): elastic
-        use_gpu=cfg.scaling.use_gpu,
-        resources_per_worker=cfg.scaling.resources_per_worker,
-    )
-    run_config = ray.train.RunConfig(
-        name=run_id,
-        storage_path=str(runs_root),
-        failure_config=ray.train.FailureConfig(
-            max_failures=cfg.failure.max_failures,
-            # A start of the worker group that times out placing it is a controller failure.
-            controller_failure_limit=cfg.failure.start_failures,
-        ),
-        checkpoint_config=ray.train.CheckpointConfig(
-            num_to_keep=cfg.checkpoint.keep,
-            checkpoint_score_attribute=cfg.checkpoint.metric,
-            checkpoint_score_order=cfg.checkpoint.mode,
-        ),
-        callbacks=callbacks or [],
-    )
-    loop_config = {
+def loop_config(
+    cfg: RunConfig, run_id: str, data: RunData, init_checkpoint: str | None = None
+) -> dict[str, Any]:
+    """What the worker loop (worker_loop.run_loop) trains from, on every worker."""
+    return {
         "run": cfg.model_dump(mode="json"),
-        "run_dir": str(runs_root / run_id),
+        "run_dir": str(registry.runs_root(cfg.storage_path()) / run_id),
         "cpus_per_worker": cfg.scaling.cpus_per_worker,
         "train_rows": data.train_rows,
         # What each worker opens its batches from (relay.training.data.ingest).
@@ -95,12 +67,61 @@ def build_trainer(
         # Where a run without checkpoints of its own starts (a PBT exploit: another trial's).
         "init_checkpoint": init_checkpoint,
     }
+
+
+def checkpoint_config(cfg: RunConfig):
+    """Which of a run's checkpoints are kept (Ray Train's CheckpointConfig)."""
+    import ray.train
+
+    return ray.train.CheckpointConfig(
+        num_to_keep=cfg.checkpoint.keep,
+        checkpoint_score_attribute=cfg.checkpoint.metric,
+        checkpoint_score_order=cfg.checkpoint.mode,
+    )
+
+
+def build_trainer(
+    cfg: RunConfig,
+    run_id: str,
+    data: RunData,
+    callbacks: list | None = None,
+    init_checkpoint: str | None = None,
+    *,
+    in_process: bool = False,
+):
+    """The run's TorchTrainer; with `in_process`, its one worker trained in this process
+    instead (in_process.py: a sweep trial's actor), through the same `fit()`."""
+    import ray.train
+
+    from relay.training.worker_loop import train_loop_per_worker
+
+    config = loop_config(cfg, run_id, data, init_checkpoint)
+    if in_process:
+        from relay.training.in_process import InProcessRun
+
+        return InProcessRun(config, checkpoint_config(cfg), callbacks or [], cfg.scaling.use_gpu)
+    scaling = ray.train.ScalingConfig(
+        num_workers=cfg.scaling.num_workers,  # an int, or (min, max): elastic
+        use_gpu=cfg.scaling.use_gpu,
+        resources_per_worker=cfg.scaling.resources_per_worker,
+    )
+    run_config = ray.train.RunConfig(
+        name=run_id,
+        storage_path=str(registry.runs_root(cfg.storage_path())),
+        failure_config=ray.train.FailureConfig(
+            max_failures=cfg.failure.max_failures,
+            # A start of the worker group that times out placing it is a controller failure.
+            controller_failure_limit=cfg.failure.start_failures,
+        ),
+        checkpoint_config=checkpoint_config(cfg),
+        callbacks=callbacks or [],
+    )
     limited = cfg.scaling.memory_per_worker is not None
     return ray_private.torch_trainer(
         # Out of memory at the limit: the same wall on every restart, so the run ends at once.
         out_of_memory_ends=(run_id, cfg.scaling.max_workers) if limited else None,
         train_loop_per_worker=train_loop_per_worker,
-        train_loop_config=loop_config,
+        train_loop_config=config,
         scaling_config=scaling,
         run_config=run_config,
         datasets=data.datasets,  # Ray Data ingest only
@@ -148,6 +169,7 @@ def fit(
     init_checkpoint: str | Path | None = None,
     data: SharedData | None = None,
     allow_task: Iterable[str] = (),
+    in_process: bool = False,
 ) -> RunResult:
     """Train `cfg` on the current Ray cluster (starting a local one if none), record the run and
     (with `register`) make its best checkpoint the next version of model `model_name`.
@@ -167,9 +189,15 @@ def fit(
 
     The checkpoint a run resumes or starts from must name `cfg`'s task in its meta.json, or
     one in `allow_task` (relay.tasks.UntrustedTask, before any cluster work).
+
+    `in_process`: train the run's one worker in this process (a sweep trial's actor; see
+    in_process.py), not in a worker group of its own; a config that needs one is refused.
     """
+    from relay.training import in_process as in_process_runs
     from relay.training.data import ingest
 
+    if in_process and (reason := in_process_runs.unfit_reason(cfg)):
+        raise ValueError(f"{cfg.name}: cannot train in this process: {reason}")
     times = {"started": time.time()}
     previous, init_checkpoint = _check_start(cfg, run_id, init_checkpoint, allow_task)
     cluster.connect(verbose=verbose, num_cpus=ingest.cpus_to_start(cfg))
@@ -180,10 +208,14 @@ def fit(
         raise ValueError(
             f"{train_rows} training samples cannot feed {cfg.scaling.max_workers} workers"
         )
-    opened = _open_run(cfg, run_id, previous, init_checkpoint, labels, times["started"], out)
+    opened = _open_run(
+        cfg, run_id, previous, init_checkpoint, labels, times["started"], out, in_process
+    )
     # The failure clock stamps worker-group restarts: the efficiency report's start-up.
     callbacks = [*(callbacks or []), failure_clock(opened.run_dir), *opened.tracked.callbacks]
-    trainer = build_trainer(cfg, opened.run_id, run_data, callbacks, init_checkpoint)
+    trainer = build_trainer(
+        cfg, opened.run_id, run_data, callbacks, init_checkpoint, in_process=in_process
+    )
     result = _run(cfg, opened, trainer, out, times)
     return _finish(cfg, opened, result, times, register=register, model_name=model_name, out=out)
 
@@ -230,6 +262,7 @@ def _open_run(
     labels: dict[str, Any] | None,
     started: float,
     out: TextIO | None,
+    in_process: bool = False,
 ) -> _OpenRun:
     """The run's directory and its "running" record (a resumed run keeps its id), its
     trackers opened; the first console line."""
@@ -245,6 +278,8 @@ def _open_run(
         "started_at": datetime.fromtimestamp(started, UTC).isoformat(),
         "run_dir": str(run_dir),
         "resumes": previous.get("resumes", -1) + 1 if previous else 0,
+        # False: trained in the calling process (a sweep trial's actor; in_process.py).
+        "worker_group": not in_process,
         **({"init_checkpoint": init_checkpoint} if init_checkpoint else {}),
         **(labels or {}),
         "config": cfg.model_dump(mode="json"),

@@ -1,11 +1,13 @@
 """THE worker loop: `train_loop_per_worker` runs on every Ray Train worker, for `relay train`,
-for every Tune trial, and in the tests (the driver, relay/training/driver.py, starts them).
+for multi-worker Tune trials, and in the tests (the driver, relay/training/driver.py, starts
+them); `run_loop` runs the same loop in a one-worker trial's own actor (training/in_process.py).
 
-Only Ray's part of a worker lives here: the checkpoint to resume from, this rank's data (opened
-through the run's ingest, relay/training/data/ingest.py), reporting each epoch and writing
-checkpoints. The epoch itself (optimizer, schedule, passes, statistics) is epochs.py, which the
-plain-torchrun baseline runs too; distributed concerns (ranks, wrapping, reductions) live in
-relay/parallel/; the problem-specific parts (model, data, loss, metrics) in the task.
+Only the run's part of a worker lives here: the checkpoint to resume from, this rank's data
+(opened through the run's ingest, relay/training/data/ingest.py), reporting each epoch and
+writing checkpoints — each through the host it runs under (training/hosts.py). The epoch
+itself (optimizer, schedule, passes, statistics) is epochs.py, which the plain-torchrun
+baseline runs too; distributed concerns (ranks, wrapping, reductions) live in relay/parallel/;
+the problem-specific parts (model, data, loss, metrics) in the task.
 """
 
 from __future__ import annotations
@@ -18,11 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import ray
 import ray.train
-import ray.train.torch
 import torch
-from ray.train import CheckpointUploadMode
 from torch import nn
 
 from relay import models, parallel
@@ -32,7 +31,7 @@ from relay.observe import doctor, worker_logs
 from relay.records import history
 from relay.runtime import worker_memory
 from relay.tasks import build_task
-from relay.training import efficiency
+from relay.training import efficiency, hosts
 from relay.training.data import ingest
 from relay.training.epochs import (
     Epochs,
@@ -89,9 +88,11 @@ def _build_engine(
     return engine, epoch + 1, checkpoint.load_train_state(directory)
 
 
-def _start_checkpoint(loop_config: dict[str, Any]) -> ray.train.Checkpoint | None:
+def _start_checkpoint(
+    loop_config: dict[str, Any], host: hosts.LoopHost
+) -> ray.train.Checkpoint | None:
     """The run's own latest checkpoint; else the one it was started from (a PBT exploit)."""
-    own = ray.train.get_checkpoint()
+    own = host.own_checkpoint()
     if own is not None or not loop_config.get("init_checkpoint"):
         return own
     return ray.train.Checkpoint.from_directory(loop_config["init_checkpoint"])
@@ -109,12 +110,18 @@ def _config_hyperparameters_win(optimizer: torch.optim.Optimizer, cfg: RunConfig
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
-    """Train `loop_config["run"]` (a RunConfig as a dict) on this worker; see trainer.py.
-    What the worker prints is also kept in the run's logs/ (`relay runs logs`)."""
+    """Ray Train's entry: the loop on this rank of the run's worker group."""
+    return run_loop(loop_config, hosts.TrainWorker())
+
+
+def run_loop(loop_config: dict[str, Any], host: hosts.LoopHost) -> dict[str, Any] | None:
+    """Train `loop_config["run"]` (a RunConfig as a dict) on this worker (driver.build_trainer
+    writes the loop config). What the worker prints is also kept in the run's logs/
+    (`relay runs logs`)."""
     run_dir = Path(loop_config["run_dir"])
     with worker_logs.captured(run_dir, parallel.rank(), parallel.world_size()):
         try:
-            return _train(loop_config)
+            return _train(loop_config, host)
         except (MemoryError, RuntimeError) as exc:
             # Under RLIMIT_DATA (worker_memory) an allocation past the limit fails in torch.
             limit = RunConfig.model_validate(loop_config["run"]).scaling.memory_per_worker
@@ -123,14 +130,23 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
             raise
 
 
-def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
+def _train(loop_config: dict[str, Any], host: hosts.LoopHost) -> dict[str, Any] | None:
     loop_started_at = time.time()
-    parallel.set_device(ray.train.torch.get_device())
-    memory_at_start = parallel.current_memory()  # the worker process before any training state
-    parallel.reset_peak()  # the start-up peak: building the model and loading its state
+    parallel.set_device(host.device())
     cfg = RunConfig.model_validate(loop_config["run"])
     run_dir = Path(loop_config["run_dir"])
-    confined, beat = _prepare_worker(cfg, run_dir, loop_config["cpus_per_worker"])
+    confined, beat = _prepare_worker(cfg, run_dir, loop_config["cpus_per_worker"], host)
+    try:
+        return _train_from_start(loop_config, host, cfg, beat, confined, loop_started_at)
+    finally:
+        beat.stop()  # its writer thread: the process may train other runs (hosts.TrialProcess)
+
+
+def _train_from_start(loop_config, host, cfg: RunConfig, beat, confined, loop_started_at):
+    """The run's model, data and epochs on this worker, ready (`_prepare_worker`)."""
+    run_dir = Path(loop_config["run_dir"])
+    memory_at_start = parallel.current_memory()  # the worker process before any training state
+    parallel.reset_peak()  # the start-up peak: building the model and loading its state
 
     # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(cfg.seed)
@@ -138,7 +154,7 @@ def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     # Before any rank can checkpoint again (the engine's set-up is a collective).
     _remove_orphaned_staging(run_dir)
     beat.phase("model")
-    engine, scheduler, start_epoch = _restore(task, cfg, loop_config)
+    engine, scheduler, start_epoch = _restore(task, cfg, loop_config, host)
     startup_peak = parallel.peak_since_reset()  # model built, its state loaded; nothing trained
 
     beat.phase("data")
@@ -154,7 +170,7 @@ def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
         train = train_data.epoch(epoch, next_epoch=following)
         metrics = epochs.epoch(epoch, train, val_data.epoch(epoch))
         beat.phase("report", epoch)
-        _report(cfg, run_dir, epoch, metrics, engine, scheduler, task)
+        _report(cfg, run_dir, epoch, metrics, engine, scheduler, task, host)
 
     report = None
     beat.phase("efficiency")
@@ -177,7 +193,7 @@ def _train(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def _prepare_worker(cfg: RunConfig, run_dir: Path, cpus: float):
+def _prepare_worker(cfg: RunConfig, run_dir: Path, cpus: float, host: hosts.LoopHost):
     """This worker process made ready for the run, before anything of it is built: its memory
     limit (if any), its threads, and the heartbeat the hang doctor reads. Returns (the memory
     confinement or None, the heartbeat)."""
@@ -188,21 +204,22 @@ def _prepare_worker(cfg: RunConfig, run_dir: Path, cpus: float):
         )
         print(f"rank {parallel.rank()}: memory limited by {confined.mechanism} ({confined.where})")
     parallel.set_threads(cfg.scaling.threads_per_worker, cpus)
+    node_id, node_ip = host.node()
     beat = doctor.Heartbeat(  # where this rank is, and how far it got: for the hang doctor
         run_dir,
         parallel.rank(),
         parallel.world_size(),
-        node_id=ray.get_runtime_context().get_node_id(),
-        node_ip=ray.util.get_node_ip_address(),
+        node_id=node_id,
+        node_ip=node_ip,
         cpu=parallel.cpu_setup(),
     )
     return confined, beat
 
 
-def _restore(task, cfg: RunConfig, loop_config: dict[str, Any]):
+def _restore(task, cfg: RunConfig, loop_config: dict[str, Any], host: hosts.LoopHost):
     """The model, wrapped for the strategy, with its optimizer and LR schedule, from the
     checkpoint the run starts from (if any); returns (engine, scheduler, first epoch to train)."""
-    with _opened(_start_checkpoint(loop_config)) as directory:
+    with _opened(_start_checkpoint(loop_config, host)) as directory:
         model = _build_model(task, cfg, directory)
         torch.manual_seed(cfg.seed)  # dropout's stream, however the model was built
         engine, start_epoch, train_state = _build_engine(model, cfg, directory)
@@ -251,25 +268,26 @@ def _remove_orphaned_staging(run_dir: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, scheduler, task):
-    """Report an epoch; every rank calls `ray.train.report` (a collective). Rank 0 appends the
+def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, scheduler, task, host):
+    """Report an epoch; every rank reports (under Ray Train, a collective). Rank 0 appends the
     epoch to the run's history and writes the checkpoint's meta; the weights and optimizer
     state come gathered from rank 0 (full) or from every rank in parallel (sharded).
 
-    Each rank writes its part to a local staging directory that Ray Train copies to storage
-    and then deletes: before training goes on (`checkpoint.upload: sync`) or while it does
-    (async). The last epoch's copy is always waited for: nothing is left to overlap it with."""
+    Each rank writes its part to a local staging directory that the host copies to storage
+    and then deletes: before training goes on (`checkpoint.upload: sync`) or, under Ray Train,
+    while it does (async). The last epoch's copy is always waited for: nothing is left to
+    overlap it with."""
     if parallel.is_main():
         history.append(run_dir, metrics)
     if not (epoch % cfg.checkpoint.every == 0 or epoch == cfg.epochs):
-        ray.train.report(metrics)
+        host.report(metrics)
         return
     sharded = cfg.checkpoint.sharded(cfg.parallel.strategy)
     weights, optimizer_state = None, None
     if not sharded:
         weights, optimizer_state = engine.full_state()  # a collective: shards gather on rank 0
         if not parallel.is_main():
-            ray.train.report(metrics)
+            host.report(metrics)
             return
     overlapped = cfg.checkpoint.upload == "async" and epoch < cfg.epochs
     staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(run_dir)))
@@ -293,16 +311,9 @@ def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, schedule
                     "workers": parallel.world_size(),
                 },
             )
-        ray.train.report(
-            metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(staging),
-            checkpoint_dir_name=f"epoch_{epoch:04d}",
-            checkpoint_upload_mode=CheckpointUploadMode.ASYNC
-            if overlapped
-            else CheckpointUploadMode.SYNC,
-            delete_local_checkpoint_after_upload=overlapped,
+        handed_over = host.report(
+            metrics, staging, dir_name=f"epoch_{epoch:04d}", overlapped=overlapped
         )
-        handed_over = overlapped
     finally:
         if not handed_over:  # else Ray's copying thread deletes it once the copy is done
             shutil.rmtree(staging, ignore_errors=True)

@@ -1,5 +1,6 @@
 """Population Based Training for sweeps (`search_alg: pbt`): Tune's PopulationBasedTraining
-over relay's trial driver; every trial stays a real TorchTrainer run of the same loop.
+over relay's trial driver; every trial stays a real run of the same loop (in its trial's actor
+or a TorchTrainer's worker group: sweep.trains_in_actor).
 
 Every `pbt.interval` epochs the weaker trials take a copy of a stronger trial's checkpoint —
 weights, optimizer moments, schedule position and epoch, relay's usual format — and perturb
@@ -21,9 +22,11 @@ current run: Train resumes it from its latest checkpoint.
 
 Train's reports reach Tune through the driver, not `TuneReportCallback`: Tune's PBT copies
 *Tune* checkpoints, and that callback forwards only metrics. At each interval epoch the driver
-reports a Tune checkpoint holding the Train checkpoint's files, and the Train run waits there
-until Tune has decided (continue, or stop for an exploit), so a stopped trial trains no
-epochs past the one it handed over beyond the one its workers had already begun.
+reports a Tune checkpoint holding the Train checkpoint's files, and the run waits there until
+Tune has decided (continue, or stop for an exploit). A run in the trial's actor reports from
+its loop (`ToTune`), so it trains nothing past that epoch; a TorchTrainer run's controller
+waits (`_Forward`, `_Mailbox`), so it trains no epochs past the one it handed over beyond the
+one its workers had already begun.
 """
 
 from __future__ import annotations
@@ -99,8 +102,9 @@ def mutations(cfg: SweepConfig) -> dict[str, Any]:
 
 
 def scheduler(cfg: SweepConfig):
-    # Tune advises reuse_actors with PBT; relay must not: a stopped trial's actor still holds
-    # its Train run, so each start needs a fresh actor.
+    # Tune advises reuse_actors with PBT; relay reuses the actors of in-actor trials only: a
+    # stopped TorchTrainer trial's actor still holds its Train run, so each start needs a
+    # fresh actor (sweep._tuner).
     warnings.filterwarnings("ignore", "Consider boosting PBT performance", UserWarning)
     return ray_private.population_based_training(
         seed=cfg.seed,  # explore and the choice of donor, reproducible (null: fresh draws)
@@ -159,6 +163,55 @@ class _Forward(ray.train.UserCallback):
             report["checkpoint_path"] = path  # as TuneReportCallback names it
         hold = report.get("epoch", 0) in self.hold_at
         ray.get(self.mailbox.put.remote((report, path, hold), hold))
+
+
+class ToTune(ray.train.UserCallback):
+    """A run's reports to Tune from a trial that trains in its own actor (hosts.TrialProcess
+    calls it in the loop's thread, so each `tune.report` holds the loop until Tune has taken
+    it; a trial Tune stops ends there). At the epochs in `hold_at` the report carries a Tune
+    checkpoint (PBT's exploits, promotion's pauses copy and restore those) and, with a
+    `clock`, that epoch as PBT's time. `chosen_by` names what chose the trial's config.
+
+    The last epoch's report waits until the run has finished (`send_last`): Tune stops a trial
+    at its last epoch (max_t), which would end the run before it recorded its result."""
+
+    def __init__(self, run_id: str, trial_id: str, last_epoch: int, *, hold_at=frozenset(),
+                 clock: str | None = None, chosen_by: str | None = None) -> None:  # fmt: skip
+        self.run_id, self.trial_id, self.last_epoch = run_id, trial_id, last_epoch
+        self.hold_at, self.clock, self.chosen_by = hold_at, clock, chosen_by
+        self.last: dict[str, Any] | None = None
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        report = dict(metrics[0])
+        epoch = report.get("epoch", 0)
+        if checkpoint:
+            report["checkpoint_path"] = checkpoint.path  # as TuneReportCallback names it
+        if self.clock and epoch in self.hold_at:
+            report[self.clock] = epoch
+        if self.chosen_by:
+            report["chosen_by"] = self.chosen_by
+        if epoch in self.hold_at and checkpoint:
+            source = {"run_id": self.run_id, "trial_id": self.trial_id, "epoch": epoch}
+            with _tune_checkpoint(checkpoint.path, source) as tune_checkpoint:
+                tune.report(report, checkpoint=tune_checkpoint)
+        elif epoch == self.last_epoch:
+            self.last = report
+        else:
+            tune.report(report)
+
+    def send_last(self, final: dict[str, Any]) -> None:
+        """Report the held last epoch; or, when the run trained nothing (restarted after its
+        last epoch: the driver died before Tune got that report), its `final` metrics."""
+        last = self.last or (final if final.get("epoch") == self.last_epoch else None)
+        if last is not None:
+            tune.report({**last, **({"chosen_by": self.chosen_by} if self.chosen_by else {})})
+
+
+def finished_metrics(storage: Path, run_id: str) -> dict[str, Any] | None:
+    """The final metrics of run `run_id` if it has finished: a trial Tune starts again after
+    its run finished (the driver died before Tune got the last report) only reports them."""
+    record = registry.read(registry.runs_root(storage) / run_id) or {}
+    return record.get("metrics") if record.get("status") == "finished" else None
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
@@ -236,14 +289,15 @@ def trial_driver(
     hold_at: frozenset[int],
     chosen_by: str,
     clock: str | None = None,
+    in_actor: bool = False,
     data=None,
 ) -> None:
-    """One trial start whose Train run waits for Tune's decision at the epochs in `hold_at`: a
-    PBT trial's `acting_epochs` (where PBT may exploit; `clock` TIME_ATTR reports them) or a
-    promotion-based ASHA trial's rungs (where it may pause; promotion.py). Fits its Train run
-    (from the checkpoint Tune hands over, if any) in a thread, and reports each epoch to Tune
-    from this one (Tune's function-trainable thread), with a Tune checkpoint at each held
-    epoch; `chosen_by` names what chose its config.
+    """One trial start whose run waits for Tune's decision at the epochs in `hold_at`: a PBT
+    trial's `acting_epochs` (where PBT may exploit; `clock` TIME_ATTR reports them) or a
+    promotion-based ASHA trial's rungs (where it may pause; promotion.py). Trains its run
+    (from the checkpoint Tune hands over, if any) and reports each epoch to Tune, with a Tune
+    checkpoint at each held epoch; `chosen_by` names what chose its config. `in_actor`: the run
+    trains in this actor (sweep.trains_in_actor), else a TorchTrainer does.
     `data`: the sweep's split, put in the object store once (see sweep._trial_driver)."""
     cfg = trial_config(base, params["params"])
     trial_id = tune.get_context().get_trial_id()
@@ -251,9 +305,42 @@ def trial_driver(
     run_id, init, label = _segment(
         storage, sweep_id, trial_id, tune.get_checkpoint(), params["params"]
     )
-    mailbox = _Mailbox.remote()
     if label:
         chosen_by = f"pbt:exploit {label['from_trial']}"
+    labels = {
+        "sweep": sweep_id,
+        "trial_id": trial_id,
+        "params": params["params"],
+        **({"pbt": label} if label else {}),
+    }
+    if in_actor:
+        to_tune = ToTune(
+            run_id, trial_id, cfg.epochs, hold_at=hold_at, clock=clock, chosen_by=chosen_by
+        )
+        if (final := finished_metrics(storage, run_id)) is not None:
+            to_tune.send_last(final)
+            return
+        run = driver.fit(
+            cfg,
+            out=None,
+            register=False,
+            run_id=run_id,
+            init_checkpoint=init,
+            callbacks=[to_tune],
+            labels=labels,
+            data=data,
+            in_process=True,
+        )
+        to_tune.send_last(run.metrics)
+        return
+    _fit_with_mailbox(cfg, run_id, trial_id, init, labels, hold_at, chosen_by, clock, data)
+
+
+def _fit_with_mailbox(cfg, run_id, trial_id, init, labels, hold_at, chosen_by, clock, data):
+    """A TorchTrainer trial's run (trial_driver), fitted in a thread; its reports come from
+    its controller through a mailbox and go to Tune from this thread (Tune's
+    function-trainable thread)."""
+    mailbox = _Mailbox.remote()
     failure: list[BaseException] = []
 
     def fit() -> None:
@@ -265,12 +352,7 @@ def trial_driver(
                 run_id=run_id,
                 init_checkpoint=init,
                 callbacks=[_Forward(mailbox, hold_at)],
-                labels={
-                    "sweep": sweep_id,
-                    "trial_id": trial_id,
-                    "params": params["params"],
-                    **({"pbt": label} if label else {}),
-                },
+                labels=labels,
                 data=data,
             )
         except BaseException as exc:  # raised again in the driver's thread, for Tune

@@ -1,10 +1,19 @@
 """Hyperparameter sweeps: Ray Tune with ASHA over the same train loop.
 
-Every trial is a small Tune "driver" function that builds and fits its own TorchTrainer (N DDP
-workers) through `driver.fit` — the Ray Train V2 pattern: `RunConfig(name=<stable per trial>,
-callbacks=[TuneReportCallback()])` forwards each epoch's report to Tune, so ASHA sees per-epoch
-metrics and stops weak trials early. The sweep is distributed twice over: trials in parallel,
-each trial data-parallel.
+Every trial is a small Tune "driver" function that trains its run through `driver.fit`, the
+same as `relay train`, and forwards each epoch's report to Tune, so ASHA sees per-epoch metrics
+and stops weak trials early. Which process trains depends on the trial:
+
+- A trial of one worker (`in_actor`, the default; see `trains_in_actor` for which qualify)
+  trains in its Tune trial's own actor (training/in_process.py). The actor holds the worker's
+  resources and Tune reuses it for the next trial: no worker group, no controller, no process
+  start per trial. A failed trial is Tune's to retry (from `train.failure.max_failures`); it
+  resumes its run from the run's last checkpoint.
+- Any other trial fits its own TorchTrainer (N DDP workers) — the Ray Train V2 pattern:
+  `RunConfig(name=<stable per trial>, callbacks=[TuneReportCallback()])`. The sweep is then
+  distributed twice over: trials in parallel, each trial data-parallel.
+- search_alg pbt and asha.strategy promote trials wait for Tune's decision at their
+  interval or rung epochs, whichever process trains them (pbt.trial_driver).
 
     <storage>/sweeps/<sweep id>/     Tune's experiment state (what `--resume` restores),
                                      sweep.json (the validated sweep config) and, for
@@ -122,28 +131,57 @@ def _optuna_tpe(cfg: SweepConfig) -> Searcher:
     return OptunaSearch(sampler=sampler)
 
 
+# Searched fields that may change whether a trial trains in its actor (`trains_in_actor`).
+_PROCESS_FIELDS = ("scaling", "data", "checkpoint", "parallel")
+
+
+def trains_in_actor(cfg: SweepConfig) -> bool:
+    """Whether the sweep's trials train in their Tune trial actors (module docstring): one
+    worker each, whatever the search samples."""
+    from relay.training import in_process
+
+    return (
+        cfg.in_actor
+        and in_process.unfit_reason(cfg.train) is None
+        and not any(key.split(".")[0] in _PROCESS_FIELDS for key in cfg.search)
+    )
+
+
 def _trial_driver(
     params: dict[str, Any],
     *,
     base: dict[str, Any],
     sweep_id: str,
+    in_actor: bool = False,
     data: ingest.SharedData | None = None,
 ) -> None:
     """One trial: the sweep's base config with this trial's sampled values, trained by the same
-    `driver.fit` as `relay train`. Runs inside a Tune trial actor. `data`: the base config's
-    split, put once by the sweep (fit uses it only if this trial's config loads the same)."""
+    `driver.fit` as `relay train` — in this actor (`in_actor`) or by a TorchTrainer. Runs
+    inside a Tune trial actor. `data`: the base config's split, put once by the sweep (fit uses
+    it only if this trial's config loads the same)."""
     cfg = trial_config(base, params["params"])
     trial_id = tune.get_context().get_trial_id()
-    cluster.let_trial_wait_for_workers()
-    driver.fit(
+    run_id = f"{sweep_id}-{trial_id}"  # stable: a resumed sweep resumes the same run
+    if in_actor:
+        to_tune = pbt.ToTune(run_id, trial_id, cfg.epochs)
+        if (final := pbt.finished_metrics(cfg.storage_path(), run_id)) is not None:
+            to_tune.send_last(final)
+            return
+    else:
+        cluster.let_trial_wait_for_workers()
+        to_tune = TuneReportCallback()
+    run = driver.fit(
         cfg,
         out=None,
         register=False,  # only the sweep's best trial becomes a model version
-        run_id=f"{sweep_id}-{trial_id}",  # stable: a resumed sweep resumes the same Train run
-        callbacks=[TuneReportCallback()],
+        run_id=run_id,
+        callbacks=[to_tune],
         labels={"sweep": sweep_id, "trial_id": trial_id, "params": params["params"]},
         data=data,
+        in_process=in_actor,
     )
+    if in_actor:
+        to_tune.send_last(run.metrics)
 
 
 def max_concurrent_trials(cfg: SweepConfig) -> int:
@@ -207,6 +245,7 @@ class Progress(tune.Callback):
 
 def _tuner(cfg: SweepConfig, sweep_id: str, storage: Path, out: TextIO | None, restore: bool):
     base = cfg.train.model_dump(mode="json")
+    in_actor = trains_in_actor(cfg)
     # The base's split goes to the object store once, for every trial (not once each).
     shared = ingest.put_for_trials(cfg.train, cfg.search)
     if cfg.search_alg == "pbt":  # its driver also hands checkpoints to Tune (see pbt.py)
@@ -217,6 +256,7 @@ def _tuner(cfg: SweepConfig, sweep_id: str, storage: Path, out: TextIO | None, r
             hold_at=pbt.acting_epochs(cfg.pbt.interval, cfg.train.epochs),
             chosen_by="pbt",
             clock=pbt.TIME_ATTR,
+            in_actor=in_actor,
             data=shared,
         )
     elif promoting(cfg):  # the same driver, its runs waiting at each rung for Tune's decision
@@ -226,16 +266,20 @@ def _tuner(cfg: SweepConfig, sweep_id: str, storage: Path, out: TextIO | None, r
             sweep_id=sweep_id,
             hold_at=frozenset(math.ceil(r) for r in promotion_rungs(cfg)),
             chosen_by=cfg.search_alg,
+            in_actor=in_actor,
             data=shared,
         )
     else:
-        driver = tune.with_parameters(_trial_driver, base=base, sweep_id=sweep_id, data=shared)
-    trainable = tune.with_resources(
-        driver,
+        driver = tune.with_parameters(
+            _trial_driver, base=base, sweep_id=sweep_id, in_actor=in_actor, data=shared
+        )
+    if in_actor:  # the actor is the trial's one worker
+        resources = tune.PlacementGroupFactory([dict(cfg.train.scaling.worker_resources)])
+    else:
         # The driver only waits on its TorchTrainer, which reserves the real resources. Tune
         # refuses a bare {"cpu": 0}, hence the token memory request.
-        {"cpu": 0, "memory": 1 << 20},
-    )
+        resources = {"cpu": 0, "memory": 1 << 20}
+    trainable = tune.with_resources(driver, resources)
     path = sweeps_root(storage) / sweep_id
     if restore:
         return tune.Tuner.restore(
@@ -275,12 +319,20 @@ def _tuner(cfg: SweepConfig, sweep_id: str, storage: Path, out: TextIO | None, r
             scheduler=scheduler,
             num_samples=cfg.num_samples,
             search_alg=_searcher(cfg, gate),
+            # An in-actor trial's actor trains the next trial (its state is the run's, reset by
+            # each start of the driver); a TorchTrainer trial's actor holds only its driver.
+            reuse_actors=in_actor,
         ),
         run_config=tune.RunConfig(
             name=sweep_id,
             storage_path=str(sweeps_root(storage)),
             callbacks=[Progress(cfg, out)] if out is not None else [],
             verbose=0,
+            # An in-actor trial has no worker group to restart: Tune restarts the trial, which
+            # resumes its run from the last checkpoint. A TorchTrainer trial restarts its own.
+            failure_config=tune.FailureConfig(
+                max_failures=cfg.train.failure.max_failures if in_actor else 0
+            ),
         ),
     )
 

@@ -109,6 +109,10 @@ class Heartbeat:
         if name == "done":
             self._stop.set()
 
+    def stop(self) -> None:
+        """No more writes (a loop that ended without "done": stopped, failed)."""
+        self._stop.set()
+
     def step(self) -> None:
         """One optimizer step completed."""
         record = self._record
@@ -154,4 +158,7 @@ class NoHeartbeat:
         pass
 
     def tick(self) -> None:
+        pass
+
+    def stop(self) -> None:
         pass

@@ -35,6 +35,7 @@ import numpy as np
 import ray
 import torch
 
+from relay import parallel
 from relay.config import RunConfig
 from relay.tasks.base import Batch, Columns, Split
 from relay.training.epochs import CachedBatches, to_tensors
@@ -283,8 +284,8 @@ class ObjectStoreBatches:
     def load(self) -> None:
         if self._cached is not None:
             return
-        context = ray.train.get_context()  # this worker group's world, not the configured one
-        rows = rank_rows(self._part.rows, context.get_world_rank(), context.get_world_size())
+        # This worker group's world (an elastic run's may be smaller than configured).
+        rows = rank_rows(self._part.rows, parallel.rank(), parallel.world_size())
         columns = self._part.fetch(rows)
         self._cached = CachedBatches(
             to_tensors(columns, self._dtypes, self._device),
