@@ -373,12 +373,34 @@ BENCHMARK_ROWS = (
     Row(
         "startup",
         "per-run start-up: a Tune trial and a run vs a bare TorchTrainer; switches vs Ray's",
-        "per-trial start-up (in Tune, relay's `fit()` → first step) **{trial_startup_s:seconds}** "
-        "({sides.relay.trial.total_s.min:seconds}–{sides.relay.trial.total_s.max:seconds}), a "
-        "`relay train` run {run_startup_s:seconds}, next to the bare `TorchTrainer` floor "
-        "{floor_s:seconds} (`fit()` → its loop's first line); {workers} workers, medians of "
-        "{repeats} alternated repeats; relay's switches save (Ray's defaults minus relay's) "
-        "{saved_s.ray_defaults.run:+.1f} s per run, {saved_s.ray_defaults.trial:+.1f} s per trial",
+        (
+            "per-trial start-up (in Tune, relay's `fit()` → first step) "
+            "**{trial_startup_s:seconds}** ({sides.relay.trial.total_s.min:seconds}–"
+            "{sides.relay.trial.total_s.max:seconds}), a "
+            "`relay train` run {run_startup_s:seconds}, next to the bare `TorchTrainer` floor "
+            "{floor_s:seconds} (`fit()` → its loop's first line); {workers} workers, medians of "
+            "{repeats} alternated repeats; relay's switches save (Ray's defaults minus relay's) "
+            "{saved_s.ray_defaults.run:+.1f} s per run, {saved_s.ray_defaults.trial:+.1f} s "
+            "per trial",
+            When(
+                "trials_actor_gap_s",
+                "; one-worker trials after the first, one at a time (a trial's end → the next "
+                "one's first epoch): in their Tune actors **{trials_actor_gap_s:seconds}** "
+                "(`fit()` → first epoch {trials_actor_startup_s:seconds}), each a TorchTrainer run "
+                "{trials_group_gap_s:seconds} ({trials_group_startup_s:seconds})",
+            ),
+        ),
+    ),
+    Row(
+        "many_trials",
+        "a random search of 100 one-epoch trials vs Optuna alone in one process, same epoch code",
+        "wall relay {sides.relay.wall_s.median:seconds} ({sides.relay.wall_s.min:seconds}–"
+        "{sides.relay.wall_s.max:seconds}) vs Optuna {sides.optuna.wall_s.median:seconds} "
+        "({sides.optuna.wall_s.min:seconds}–{sides.optuna.wall_s.max:seconds}): `wall_ratio` "
+        "**{wall_ratio:ratio}**; {trials} trials of {task} ({size}), each side a fresh process "
+        "timed whole (relay's cluster start included), medians of {repeats} alternated sweeps; "
+        "best val_accuracy relay {sides.relay.best_val_accuracy.median:.3f}, Optuna "
+        "{sides.optuna.best_val_accuracy.median:.3f}",
     ),
     Row(
         "overlap",

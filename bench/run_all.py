@@ -67,6 +67,8 @@ BENCHES: dict[str, list[str]] = {
         *("--strategy", "stop", "--seeds", "0,1,2", "--repeats", "1"),
     ],
     "startup": ["bench/startup.py"],
+    # 100 one-epoch trials: relay's sweep (in-actor trials) against Optuna alone in one process.
+    "many_trials": ["bench/many_trials.py"],
     "search_algorithms": ["bench/search_algorithms.py"],
     # TPE needs results to learn from: 16 short trials (4 random start-up, 12 chosen by TPE)
     # on the same budget of 32 epochs, random vs TPE only (PBT's population must fit at once).

@@ -139,6 +139,16 @@ def alive_actor_ids(class_name: str, job=None, not_dead: bool = False) -> set[st
     return {id_ for id_, actor in alive.items() if actor["ActorClassName"] == class_name}
 
 
+def actors_by_class() -> dict[str, int]:
+    """How many actors of each class the connected cluster has created (any state), asked of
+    the GCS as `alive_actor_ids` is (bench/startup.py counts what a run starts)."""
+    from collections import Counter
+
+    from ray._private.state import state
+
+    return dict(Counter(actor["ActorClassName"] for actor in state.actor_table(None).values()))
+
+
 def alive_actors(class_name: str) -> int:
     """How many actors of class `class_name` are alive on the connected cluster."""
     return len(alive_actor_ids(class_name))
