@@ -214,6 +214,24 @@ def finished_metrics(storage: Path, run_id: str) -> dict[str, Any] | None:
     return record.get("metrics") if record.get("status") == "finished" else None
 
 
+def fit_in_actor(cfg, run_id: str, to_tune: ToTune, **fit_args: Any) -> None:
+    """A trial's run trained in this actor (`driver.fit(in_process=True)`), reporting to Tune
+    through `to_tune`; a run that has already finished only reports its final metrics."""
+    if (final := finished_metrics(cfg.storage_path(), run_id)) is not None:
+        to_tune.send_last(final)
+        return
+    run = driver.fit(
+        cfg,
+        out=None,
+        register=False,  # only the sweep's best trial becomes a model version
+        run_id=run_id,
+        callbacks=[to_tune],
+        in_process=True,
+        **fit_args,
+    )
+    to_tune.send_last(run.metrics)
+
+
 def _link_or_copy(source: Path, target: Path) -> None:
     try:
         os.link(source, target)  # same file system: no bytes copied
@@ -317,21 +335,7 @@ def trial_driver(
         to_tune = ToTune(
             run_id, trial_id, cfg.epochs, hold_at=hold_at, clock=clock, chosen_by=chosen_by
         )
-        if (final := finished_metrics(storage, run_id)) is not None:
-            to_tune.send_last(final)
-            return
-        run = driver.fit(
-            cfg,
-            out=None,
-            register=False,
-            run_id=run_id,
-            init_checkpoint=init,
-            callbacks=[to_tune],
-            labels=labels,
-            data=data,
-            in_process=True,
-        )
-        to_tune.send_last(run.metrics)
+        fit_in_actor(cfg, run_id, to_tune, init_checkpoint=init, labels=labels, data=data)
         return
     _fit_with_mailbox(cfg, run_id, trial_id, init, labels, hold_at, chosen_by, clock, data)
 

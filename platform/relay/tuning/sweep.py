@@ -162,26 +162,21 @@ def _trial_driver(
     cfg = trial_config(base, params["params"])
     trial_id = tune.get_context().get_trial_id()
     run_id = f"{sweep_id}-{trial_id}"  # stable: a resumed sweep resumes the same run
+    labels = {"sweep": sweep_id, "trial_id": trial_id, "params": params["params"]}
     if in_actor:
         to_tune = pbt.ToTune(run_id, trial_id, cfg.epochs)
-        if (final := pbt.finished_metrics(cfg.storage_path(), run_id)) is not None:
-            to_tune.send_last(final)
-            return
-    else:
-        cluster.let_trial_wait_for_workers()
-        to_tune = TuneReportCallback()
-    run = driver.fit(
+        pbt.fit_in_actor(cfg, run_id, to_tune, labels=labels, data=data)
+        return
+    cluster.let_trial_wait_for_workers()
+    driver.fit(
         cfg,
         out=None,
         register=False,  # only the sweep's best trial becomes a model version
         run_id=run_id,
-        callbacks=[to_tune],
-        labels={"sweep": sweep_id, "trial_id": trial_id, "params": params["params"]},
+        callbacks=[TuneReportCallback()],
+        labels=labels,
         data=data,
-        in_process=in_actor,
     )
-    if in_actor:
-        to_tune.send_last(run.metrics)
 
 
 def max_concurrent_trials(cfg: SweepConfig) -> int:
