@@ -64,8 +64,27 @@ def _slowest_micro_step_s(epochs: Epochs, grad_accum: int) -> float:
     return max(parallel.gather_objects(mine))
 
 
+# The matmul peak measured in this process, by (device, dtype, torch threads): a process that
+# trains run after run (a sweep's reused trial actor, in_process.py) probes its cores once, not
+# once per trial (the probe is ~0.5 s, several times a small trial's epoch).
+_peaks: dict[tuple[str, str, int], dict[str, float]] = {}
+
+
 def matmul_peak(dtype: torch.dtype) -> dict[str, float]:
-    """This worker's best dense matmul rate, as PEAK_PROBE says: {"flops_per_s", "size"}."""
+    """This worker's best dense matmul rate, as PEAK_PROBE says: {"flops_per_s", "size",
+    "reused"}; "reused" is true when this process measured it for an earlier run."""
+    import torch
+
+    from relay import parallel
+
+    key = (str(parallel.device()), str(dtype), torch.get_num_threads())
+    if key in _peaks:
+        return {**_peaks[key], "reused": True}
+    _peaks[key] = _probe_matmul_peak(dtype)
+    return {**_peaks[key], "reused": False}
+
+
+def _probe_matmul_peak(dtype: torch.dtype) -> dict[str, float]:
     import math
 
     import torch
@@ -143,6 +162,7 @@ def measure(
             "activation_bytes": activations,
             "matmul_peak_flops": peak["flops_per_s"],
             "matmul_peak_size": peak["size"],
+            "matmul_peak_reused": peak["reused"],
             "threads": _threads(),
             "probe_samples": len(next(iter(batch.values()))),
             "probe_steps": steps,
@@ -322,6 +342,9 @@ def _flops_part(ranks, achieved: float, flops_per_sample: float, dtype) -> dict[
             "threads_per_worker": [r["threads"] for r in ranks],
             "per_worker_flops_per_s": [r["matmul_peak_flops"] for r in ranks],
             "per_worker_best_size": [r["matmul_peak_size"] for r in ranks],
+            # True where the worker's process had measured it for an earlier run (a reused
+            # sweep trial actor): the probe runs once per process, device, dtype and threads.
+            "per_worker_reused": [r["matmul_peak_reused"] for r in ranks],
         },
     }
 
