@@ -131,12 +131,16 @@ def test_killed_tpe_sweep_resumes_with_its_searcher_state(ray_cluster, tmp_path)
     the sweep still has num_samples trials, and the trials TPE chose (not start-up sampling)
     after the resume are the ones a seeded TPE chooses from the earlier trials' results: the
     restored searcher kept Optuna's study and its random state."""
-    samples = 6  # → 2 random start-up trials, then TPE; one-worker trials start in their
-    # actors within a second, so several may finish while the driver is being killed
+    samples = 6  # → 2 random start-up trials, then TPE
+    # One-worker trials train in their reused actors: a trial of a few epochs would take well
+    # under a second, and the next ones would finish between Tune's save and the kill (their
+    # runs then left out of the saved sweep, which chooses others after the resume). Trials
+    # of several seconds leave that window empty.
+    epochs = 40
     storage = tmp_path / "storage"
     spec = sweep_config(
         storage,
-        epochs=2,
+        epochs=epochs,
         search_alg="tpe",
         seed=3,
         num_samples=samples,
@@ -175,7 +179,7 @@ def test_killed_tpe_sweep_resumes_with_its_searcher_state(ray_cluster, tmp_path)
     recorded = {r["run_id"] for r in registry.list_runs(storage) if r.get("sweep")}
     assert {r for r, t in listed.items() if t["status"] != "pending"} == recorded
     for run_id in before:
-        assert (listed[run_id]["status"], listed[run_id]["epochs_run"]) == ("completed", 2)
+        assert (listed[run_id]["status"], listed[run_id]["epochs_run"]) == ("completed", epochs)
 
     out = io.StringIO()
     resumed = sweep.run(sweep.load_spec(storage, sweep_dir.name), resume=sweep_dir.name, out=out)

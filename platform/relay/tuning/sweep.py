@@ -29,6 +29,7 @@ import json
 import math
 import os
 import sys
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -367,7 +368,10 @@ def run(
         )
     tracking.open_sweep(cfg, sweep_dir, sweep_id, resume=resume is not None)
     try:
-        with ray_private.reclaiming_orphans():
+        # Trials trained in their actors start no Train controller and no placement group of
+        # their own (Tune's trial groups are Tune's to remove): nothing to reclaim or wait for.
+        reclaim = nullcontext() if trains_in_actor(cfg) else ray_private.reclaiming_orphans()
+        with reclaim:
             grid = _tuner(cfg, sweep_id, storage, out, restore=resume is not None).fit()
         result = _summarize(cfg, sweep_id, sweep_dir, storage, grid, out)
     except BaseException as exc:
