@@ -78,9 +78,9 @@ def ray_cluster(relay_home):
     from relay.runtime import cluster
 
     os.environ["RAY_ADDRESS"] = "local"  # never join a `ray start` cluster another test runs
-    # With Ray's dashboard (off by default in clusters relay starts): tests here read actors
-    # through Ray's state API, which the dashboard serves.
-    cluster.connect(num_cpus=4, dashboard=True)
+    # Without Ray's dashboard, as in the clusters relay starts: tests read actors from the GCS
+    # (relay.runtime.ray_private), not through Ray's state API, which the dashboard serves.
+    cluster.connect(num_cpus=4)
     yield ray
 
 

@@ -52,15 +52,12 @@ def free_ports(count: int) -> list[int]:
 
 
 def train_worker_pids() -> list[int]:
-    """PIDs of the live Ray Train worker processes of the cluster this process is connected to
-    (Ray's State API answers for this cluster only, never another on the same machine)."""
-    from ray.util.state import list_actors
+    """PIDs of the live Ray Train worker processes of the cluster this process is connected to,
+    never another's on the same machine (`make test` runs the multi-host tier's beside it)."""
+    from relay.runtime import ray_private
 
-    actors = list_actors(
-        filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
-        raise_on_missing_output=False,
-    )
-    return sorted(actor.pid for actor in actors if actor.pid)
+    actors = ray_private.actors_of_class("RayTrainWorker").values()
+    return sorted(a["pid"] for a in actors if a["state"] == "ALIVE" and a["pid"])
 
 
 def process_gone(pid: int, timeout_s: float = 10.0) -> bool:

@@ -153,14 +153,10 @@ def test_a_trial_shares_the_sweeps_put_only_when_its_data_would_be_the_same(ray_
 
 
 def _actors(class_name: str) -> set[str]:
-    from ray.util.state import list_actors
+    """Every actor of the class the shared cluster has created (any state)."""
+    from relay.runtime import ray_private
 
-    actors = list_actors(
-        filters=[("class_name", "=", class_name)],
-        limit=10_000,
-        raise_on_missing_output=False,
-    )
-    return {actor.actor_id for actor in actors}
+    return set(ray_private.actors_of_class(class_name))
 
 
 @pytest.mark.slow

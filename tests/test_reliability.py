@@ -96,11 +96,11 @@ def _history_lines(storage: Path) -> tuple[Path | None, list[dict]]:
     return (dirs[0].parent, history.read_raw(dirs[0].parent)) if dirs else (None, [])
 
 
-def _checkpoint_in_flight(since: float) -> bool:
-    """Whether rank 0 is writing a checkpoint: after appending an epoch to history it writes
-    the checkpoint to a temp dir that lives until Ray Train has copied it to storage. Older
-    dirs are orphans of workers killed mid-write."""
-    pattern = os.path.join(tempfile.gettempdir(), "relay-ckpt-*")
+def _checkpoint_in_flight(run_dir: Path, since: float) -> bool:
+    """Whether rank 0 is writing a checkpoint of the run in `run_dir`: after appending an epoch
+    to history it writes the checkpoint to a temp dir (named after the run) that lives until
+    Ray Train has copied it to storage. Older dirs are orphans of workers killed mid-write."""
+    pattern = os.path.join(tempfile.gettempdir(), f"relay-ckpt-{run_dir.name}-*")
     return any(_ctime(path) >= since - 0.01 for path in glob.glob(pattern))
 
 
@@ -115,7 +115,7 @@ def _phase(run_dir: Path, lines: list[dict], registered: int | None, pid: int) -
     writes its phase (a training pass, a validation pass, the report) to its progress file as
     it starts it; rank 0 then appends the epoch to history, writes its checkpoint to a staging
     dir (`_checkpoint_in_flight`) and reports it, and the controller registers it."""
-    if _checkpoint_in_flight(lines[-1]["time"]):
+    if _checkpoint_in_flight(run_dir, lines[-1]["time"]):
         return "checkpoint-write"
     phase = _rank_progress(run_dir, pid).get("phase")
     if phase == "train":
@@ -170,7 +170,7 @@ class WorkerKiller(threading.Thread):
             self.stop.wait(self.rng.uniform(0.0, 1.2 * self.epoch_s))
             return None
         if aim == "checkpoint-write":
-            while not _checkpoint_in_flight(lines[-1]["time"]):
+            while not _checkpoint_in_flight(run_dir, lines[-1]["time"]):
                 if time.monotonic() > deadline or self.stop.wait(0.002):
                     return None
             return None

@@ -75,12 +75,10 @@ def test_checkpoint_retention_keeps_the_best(ray_cluster, relay_home):
     best_by_history = max(result.history, key=lambda e: e["val_accuracy"])
     assert result.best_metrics["val_accuracy"] == best_by_history["val_accuracy"]
 
-    # relay's run switches (cluster.RUN_SWITCHES) reached the run's controller: Ray's state API
-    # lists no PreemptionWatcher, which Ray Train starts for every worker group by default.
-    from ray.util.state import list_actors
-
-    assert list_actors(filters=[("class_name", "=", "TrainController")], limit=1000)
-    assert not list_actors(filters=[("class_name", "=", "PreemptionWatcher")], limit=1000)
+    # relay's run switches (cluster.RUN_SWITCHES) reached the run's controller: the GCS lists
+    # no PreemptionWatcher, which Ray Train starts for every worker group by default.
+    assert ray_private.actors_of_class("TrainController")
+    assert not ray_private.actors_of_class("PreemptionWatcher")
 
     # The run's controller ended with it: Ray's Ctrl-C handler, which holds its handle, is gone.
     deadline = time.monotonic() + 30

@@ -139,6 +139,20 @@ def alive_actor_ids(class_name: str, job=None, not_dead: bool = False) -> set[st
     return {id_ for id_, actor in alive.items() if actor["ActorClassName"] == class_name}
 
 
+def actors_of_class(class_name: str) -> dict[str, dict]:
+    """Every actor of class `class_name` the connected cluster has created, by id: its state
+    ("ALIVE", "DEAD", ...) and process id. Asked of the GCS, as `alive_actor_ids` is: Ray's
+    public state API finds its cluster through RAY_ADDRESS and, where that is "local" and
+    another Ray runs on the machine, refuses to choose."""
+    from ray._private.state import state
+
+    return {
+        id_: {"state": actor["State"], "pid": actor["Pid"]}
+        for id_, actor in state.actor_table(None).items()
+        if actor["ActorClassName"] == class_name
+    }
+
+
 def actors_by_class() -> dict[str, int]:
     """How many actors of each class the connected cluster has created (any state), asked of
     the GCS as `alive_actor_ids` is (bench/startup.py counts what a run starts)."""
