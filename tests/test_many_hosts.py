@@ -185,6 +185,8 @@ def test_doctor_names_the_stuck_rank_on_the_other_host(two_hosts, tmp_path):
 def test_sweep_trials_run_on_both_hosts(two_hosts):
     """`relay tune` as a job: two trials at once, one worker each. Each worker asks for a
     host's only `worker_slot`, so the two concurrent trials can only be placed one per host.
+    Each trial trains for 50 epochs (5-10 s): trials of 2 epochs ended in under a
+    second, and in CI the second one then started after the first had ended, on its host.
 
     ASHA off: with it on, Tune ends each trial at its last report (max_t) by killing the trial
     actor while fit() is still finishing, and that was seen to (1) leave the trials' run
@@ -202,7 +204,7 @@ def test_sweep_trials_run_on_both_hosts(two_hosts):
             "--set", "name=hosts-sweep", "--set", "num_samples=2", "--set", "workers_per_trial=1",
             "--set", "max_concurrent_trials=2", "--set", "asha.enabled=false",
             "--set", "train.size=debug",
-            "--set", "train.epochs=2", "--set", f"train.storage={cluster.storage}",
+            "--set", "train.epochs=50", "--set", f"train.storage={cluster.storage}",
             "--set", "train.scaling.resources_per_worker={CPU: 1, worker_slot: 1}", "--json",
         ],
         cwd=REPO,
@@ -213,7 +215,7 @@ def test_sweep_trials_run_on_both_hosts(two_hosts):
         next(line for line in reversed(submit.stdout.splitlines()) if line.startswith('{"sweep"'))
     )
     print(f"\nhosts-sweep: job took {time.monotonic() - began:.1f} s")
-    placed = {}
+    placed, spans = {}, []
     for trial in sweep["trials"]:
         assert trial["status"] == "completed", trial
         record = registry.get_run(cluster.storage, trial["run_id"])
@@ -221,7 +223,11 @@ def test_sweep_trials_run_on_both_hosts(two_hosts):
         (rank,) = record["placement"]
         assert rank["hostname"] == {h.ip: h.hostname for h in cluster.hosts}[rank["node_ip"]]
         placed[trial["trial_id"]] = rank["node_ip"]
-    print(f"hosts-sweep: trial -> host {placed}")
+        spans.append((record["started_at"], record["finished_at"]))
+    print(f"hosts-sweep: trial -> host {placed}, runs {spans}")
+    # The premise: the two trials ran at the same time (else one host may serve both).
+    (start_a, end_a), (start_b, end_b) = spans
+    assert max(start_a, start_b) < min(end_a, end_b), spans
     assert sorted(placed.values()) == sorted(h.ip for h in cluster.hosts), placed
     # Every trial's worker slot is free again. (Unfiltered: `ray list` prints no JSON at all
     # when nothing matches; the sweep's own removed groups are always listed.)
