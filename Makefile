@@ -23,22 +23,26 @@ demo: venv
 cluster-demo: venv
 	$(BIN)/python harness/netns_cluster.py --hosts 2
 
-# Every tier (what CI runs). The multi-host tier (HOSTS_TIER: a cluster of network-namespace
-# hosts of its own, mostly waiting on hosts lost and back) runs in a second pytest process beside
-# the rest, which keeps the cores busy while it waits: on 2 cores that took 688 s for 901 s of
-# tests run one after the other (this tier and 3 slow modules, 2026-12-07). Its report follows
-# the main one's; each ends with its slowest tests and its total, then the whole run's seconds.
-HOSTS_TIER := tests/test_many_hosts.py
-HOSTS_LOG := .pytest-hosts-tier.log
+# Every tier (what CI runs), in two pytest processes side by side: the suite is CPU-bound, and
+# one process alone leaves a core idle while its tests wait (hosts lost and back, servers
+# starting, jobs polled). BESIDE holds the multi-host tier (a cluster of network-namespace hosts
+# of its own) and the modules that wait most (CPU-seconds per wall second, measured module by
+# module on 2 cores, 2026-12-07); the other process runs the rest. Each report ends with its
+# slowest tests and its total; the second follows the first; then the whole run's seconds.
+BESIDE := tests/test_many_hosts.py tests/test_serve_cli.py tests/test_cli.py \
+	tests/test_multinode.py tests/test_serve.py tests/test_jobs.py \
+	tests/test_larger_than_memory.py tests/test_api_fuzz.py tests/test_doctor.py \
+	tests/test_search_algs.py
+BESIDE_LOG := .pytest-beside.log
 
 test: venv
 	@start=$$(date +%s); \
-	$(BIN)/python -m pytest $(HOSTS_TIER) -p no:cacheprovider --durations=10 > $(HOSTS_LOG) 2>&1 & hosts=$$!; \
-	$(BIN)/python -m pytest tests --ignore=$(HOSTS_TIER) --durations=30; main=$$?; \
-	wait $$hosts; hosts_rc=$$?; \
-	echo "=== $(HOSTS_TIER), run beside the above (exit $$hosts_rc) ==="; cat $(HOSTS_LOG); \
+	$(BIN)/python -m pytest $(BESIDE) -p no:cacheprovider --durations=20 > $(BESIDE_LOG) 2>&1 & beside=$$!; \
+	$(BIN)/python -m pytest tests $(addprefix --ignore=,$(BESIDE)) --durations=30; main=$$?; \
+	wait $$beside; beside_rc=$$?; \
+	echo "=== run beside the above (exit $$beside_rc): $(BESIDE) ==="; cat $(BESIDE_LOG); \
 	echo "make test: $$(( $$(date +%s) - start )) s"; \
-	test $$main -eq 0 && test $$hosts_rc -eq 0
+	test $$main -eq 0 && test $$beside_rc -eq 0
 
 # The inner loop: pure tests and the shared cluster's quick checks (tests/conftest.py keeps
 # anything that starts a cluster of its own in the slow tier).
