@@ -30,14 +30,18 @@ import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
-from torch import nn
 
 from relay.checkpoints.layout import META, SHARDS, TRAIN_STATE, WEIGHTS  # used here and by callers
+
+# torch is imported where tensors are read or written: the CLI's record commands (`relay runs
+# show`, `models show`, `report`) read checkpoints' metadata through this module, and importing
+# torch cost each such call ~2 CPU-seconds more than the rest of its work.
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 def is_sharded(directory: str | Path) -> bool:
@@ -57,6 +61,7 @@ def files(directory: str | Path) -> list[Path]:
 
 def versions() -> dict[str, str]:
     import ray
+    import torch
 
     from relay.version import __version__
 
@@ -107,6 +112,9 @@ def save_state(
     """Write full weights and name-keyed train state (see `parallel.Engine.full_state`); with
     `weights` None, the rest of a sharded checkpoint whose shards/ the ranks wrote
     (`parallel.Engine.save_sharded`). meta.json goes last: its presence marks the whole."""
+    import torch
+    from safetensors.torch import save_file
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if weights is not None:
@@ -150,6 +158,8 @@ def optimizer_state_by_index(named: dict[str, Any], names: list[str]) -> dict[st
 def load_weights(directory: str | Path, module: nn.Module) -> nn.Module:
     """Load weights into `module` in place; only tied aliases may be absent from the file. A
     sharded checkpoint's whole weights are made first if they are not yet."""
+    from safetensors.torch import load_file
+
     from relay.checkpoints.consolidate import consolidate
 
     state = load_file(consolidate(directory))
@@ -265,6 +275,8 @@ class TrainState:
 
 
 def load_train_state(directory: str | Path) -> TrainState:
+    import torch
+
     state = torch.load(Path(directory) / TRAIN_STATE, map_location="cpu", weights_only=True)
     return TrainState(state.get("optimizer"), state.get("scheduler"), state.get("scaler"))
 

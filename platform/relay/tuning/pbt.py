@@ -25,13 +25,12 @@ Train's reports reach Tune through the driver, not `TuneReportCallback`: Tune's 
 reports a Tune checkpoint holding the Train checkpoint's files, and the run waits there until
 Tune has decided (continue, or stop for an exploit). A run in the trial's actor reports from
 its loop (`ToTune`), so it trains nothing past that epoch; a TorchTrainer run's controller
-waits (`_Forward`, `_Mailbox`), so it trains no epochs past the one it handed over beyond the
+waits (`_Forward`, mailbox.py), so it trains no epochs past the one it handed over beyond the
 one its workers had already begun.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import os
@@ -53,6 +52,7 @@ from relay.config import SweepConfig, trial_config
 from relay.records import history, registry
 from relay.runtime import ray_private
 from relay.training import driver
+from relay.tuning.mailbox import Mailbox
 
 # PBT's clock, reported only on the epochs PBT may act after (`acting_epochs`): never a trial's last
 # (a copy made there would have nothing left to train), and never between intervals — Tune's
@@ -126,27 +126,6 @@ def acting_epochs(interval: int, epochs: int) -> frozenset[int]:
 
 
 # --- Train's reports to Tune, through the driver -----------------------------------------------
-
-
-@ray.remote(num_cpus=0)
-class _Mailbox:
-    """Carries a Train run's reports from its controller to the trial driver, one at a time;
-    a report at an interval epoch holds the controller until the driver says go on."""
-
-    def __init__(self) -> None:
-        self._items: asyncio.Queue = asyncio.Queue(maxsize=1)
-        self._go: asyncio.Queue = asyncio.Queue()
-
-    async def put(self, item: Any, hold: bool) -> None:
-        await self._items.put(item)
-        if hold:
-            await self._go.get()
-
-    async def get(self) -> Any:
-        return await self._items.get()
-
-    async def go_on(self) -> None:
-        self._go.put_nowait(True)
 
 
 class _Forward(ray.train.UserCallback):
@@ -344,7 +323,7 @@ def _fit_with_mailbox(cfg, run_id, trial_id, init, labels, hold_at, chosen_by, c
     """A TorchTrainer trial's run (trial_driver), fitted in a thread; its reports come from
     its controller through a mailbox and go to Tune from this thread (Tune's
     function-trainable thread)."""
-    mailbox = _Mailbox.remote()
+    mailbox = Mailbox.remote()
     failure: list[BaseException] = []
 
     def fit() -> None:
