@@ -53,29 +53,38 @@ pytestmark = pytest.mark.slow
 KILL_EPOCHS = 10
 
 
-def kill_config(storage: Path):
+def kill_fields(storage: Path) -> dict:
     """digits with a wider MLP and small batches: an epoch takes ~0.5-1 s on this machine, so
     a random moment falls mid-step or mid-checkpoint (13 MB of weights and AdamW moments each
     epoch), not only between epochs. No dropout: its random masks are not part of a checkpoint,
     so a resumed run would draw other ones and could not be compared number for number."""
-    return from_dict(
-        {
-            "name": "kill",
-            "task": "digits",
-            "size": "default",
-            "model": {"hidden": [1024, 1024], "dropout": 0.0},
-            "epochs": KILL_EPOCHS,
-            "batch_size": 16,
-            "optim": {"lr": 0.001},
-            "schedule": {"name": "cosine"},  # the lr depends on the step: a wrong resume shows
-            "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
-            "checkpoint": {"every": 1, "keep": 2},
-            "failure": {"max_failures": 10},
-            # A validation pass long enough (~40 batches) for a kill to be aimed into it.
-            "data": {"val_fraction": 0.4},
-            "storage": str(storage),
-        }
-    )
+    return {
+        "name": "kill",
+        "task": "digits",
+        "size": "default",
+        "model": {"hidden": [1024, 1024], "dropout": 0.0},
+        "epochs": KILL_EPOCHS,
+        "batch_size": 16,
+        "optim": {"lr": 0.001},
+        "schedule": {"name": "cosine"},  # the lr depends on the step: a wrong resume shows
+        "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
+        "checkpoint": {"every": 1, "keep": 2},
+        "failure": {"max_failures": 10},
+        # A validation pass long enough (~40 batches) for a kill to be aimed into it.
+        "data": {"val_fraction": 0.4},
+        "storage": str(storage),
+    }
+
+
+def kill_config(storage: Path):
+    return from_dict(kill_fields(storage))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(ray_cluster, tmp_path_factory):
+    """A finished run of `kill_config`, never killed: the numbers a killed run must match, and
+    the storage root whose copies the damaged-checkpoint test damages."""
+    return relay.train(kill_config(tmp_path_factory.mktemp("uninterrupted")), out=None)
 
 
 @dataclass
@@ -134,24 +143,35 @@ def _ctime(path: str) -> float:
         return 0.0
 
 
-# What each kill aims at, in turn (run 0 from the first, run 1 from the third): the moments
-# where what a restart must redo differs. Validation, the shortest, is aimed at most often.
-AIMS = ("validation", "training-step", "checkpoint-write", "validation", "anywhere")
+# What the kills aim at, in turn: the moments where what a restart must redo differs. The first
+# is epoch 1's checkpoint write, which may strike before Ray Train registered any checkpoint (the
+# restarted group then starts from scratch); the second checkpoint write has an older checkpoint
+# to go back to. Validation, the shortest, is aimed at twice too.
+AIMS = (
+    "checkpoint-write",
+    "validation",
+    "training-step",
+    "anywhere",
+    "checkpoint-write",
+    "validation",
+)
+# The moments the test requires a kill to have struck. An aim can miss (the moment ended before
+# the kill landed): the next kill then aims at the missed moment again (`WorkerKiller._aim`).
+MUST_STRIKE = ("training-step", "checkpoint-write", "validation")
 
 
 class WorkerKiller(threading.Thread):
     """SIGKILLs a live RayTrainWorker process `count` times, each after new progress (a history
-    line for an epoch past the previous kill's), aiming in turn (`AIMS`, from `first_aim`) at a
-    moment of a training pass, of a checkpoint write (as soon as its staging dir appears), of a
-    validation pass (as soon as a rank's progress file says it started one), or anywhere in the
-    next 1.2 epochs. Where each kill really struck is read from disk when it lands (`_phase`)."""
+    line for an epoch past the previous kill's), aiming in turn (`AIMS`, a missed moment of
+    `MUST_STRIKE` again first) at a moment of a training pass, of a checkpoint write (as soon as
+    its staging dir appears), of a validation pass (as soon as a rank's progress file says it
+    started one), or anywhere in the next 1.2 epochs. Where each kill really struck is read from
+    disk when it lands (`_phase`)."""
 
-    def __init__(
-        self, storage: Path, count: int, epoch_s: float, rng: random.Random, first_aim: int = 0
-    ) -> None:
+    def __init__(self, storage: Path, count: int, epoch_s: float, rng: random.Random) -> None:
         super().__init__(daemon=True)
         self.storage, self.count, self.epoch_s, self.rng = storage, count, epoch_s, rng
-        self.first_aim = first_aim
+        self.turn = 0  # the next aim of AIMS
         self.kills: list[Kill] = []
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -189,14 +209,25 @@ class WorkerKiller(threading.Thread):
             time.sleep(0.002)
         return None
 
+    def _aim(self) -> str:
+        """The moment of MUST_STRIKE a kill aimed at and no kill struck yet, else AIMS's next."""
+        struck = {k.phase for k in self.kills}
+        aimed = {k.aim for k in self.kills}
+        missed = [p for p in MUST_STRIKE if p in aimed and p not in struck]
+        if missed:
+            return missed[0]
+        self.turn += 1
+        return AIMS[(self.turn - 1) % len(AIMS)]
+
     def _run(self) -> None:
         past_epoch = 0
+        aim = None
         while len(self.kills) < self.count and not self.stop.is_set():
             run_dir, lines = _history_lines(self.storage)
             if not lines or max(e["epoch"] for e in lines) <= past_epoch:
                 time.sleep(0.02)
                 continue
-            aim = AIMS[(self.first_aim + len(self.kills)) % len(AIMS)]
+            aim = aim or self._aim()
             since = time.time()
             target = self._await_moment(aim, run_dir, lines)
             if self.stop.is_set():
@@ -221,7 +252,7 @@ class WorkerKiller(threading.Thread):
                 continue  # ended on its own (the run finishing): not a kill
             kill.landed = process_gone(pid)
             self.kills.append(kill)
-            past_epoch = epoch
+            past_epoch, aim = epoch, None
 
 
 def _restarts(raw: list[dict], kills: list[Kill]) -> list[dict]:
@@ -250,13 +281,13 @@ def _restarts(raw: list[dict], kills: list[Kill]) -> list[dict]:
 FINAL_METRICS = ("train_loss", "val_loss", "val_accuracy", "train_accuracy")
 
 
-KILLS_PER_RUN = (5, 5)
+KILLS = 6
 
 
 @pytest.mark.timeout(540)
-def test_sigkilled_workers_at_random_moments(ray_cluster, tmp_path):
-    """10 SIGKILLs of a worker (rank 0 or 1) over 2 runs, aimed in turn mid-step, mid-checkpoint
-    write, mid-validation and anywhere; where each struck is recorded, and each of the first
+def test_sigkilled_workers_at_random_moments(uninterrupted_run, tmp_path):
+    """6 SIGKILLs of a worker (rank 0 or 1) in one run, aimed in turn mid-checkpoint write,
+    mid-validation, mid-step and anywhere; where each struck is recorded, and each of the first
     three must have happened.
 
     Tolerance of every epoch's metrics against an uninterrupted run: rel 1e-5 (losses, lr) and
@@ -265,76 +296,67 @@ def test_sigkilled_workers_at_random_moments(ray_cluster, tmp_path):
     is seeded per epoch and the data split is the same; what may differ is the order of float
     additions (gloo's all-reduce), a few ulps. A resume that lost optimizer state or an epoch,
     or repeated one, moves the losses by far more (percent)."""
-    baseline = relay.train(kill_config(tmp_path / "baseline"), out=None)
+    baseline = uninterrupted_run
     epoch_s = sorted(e["epoch_s"] for e in baseline.history)[len(baseline.history) // 2]
 
-    rng = random.Random(20240608)
     started = time.time()
-    tallies = []
-    for number, count in enumerate(KILLS_PER_RUN):
-        storage = tmp_path / f"killed-{number}"
-        killer = WorkerKiller(storage, count, epoch_s, rng, first_aim=2 * number)
-        killer.start()
-        try:
-            result = relay.train(kill_config(storage), out=None)
-        finally:
-            killer.stop.set()
-            killer.join(timeout=30)
-        assert killer.error is None, killer.error
-        raw = history.read_raw(result.run_dir)
-        restarts = _restarts(raw, killer.kills)
-        tallies.append((result, killer.kills, restarts, raw))
+    storage = tmp_path / "killed"
+    killer = WorkerKiller(storage, KILLS, epoch_s, random.Random(20240608))
+    killer.start()
+    try:
+        result = relay.train(kill_config(storage), out=None)
+    finally:
+        killer.stop.set()
+        killer.join(timeout=30)
+    assert killer.error is None, killer.error
+    kills = killer.kills
+    raw = history.read_raw(result.run_dir)
+    restarts = _restarts(raw, kills)
 
-        # Every epoch trained, none more than twice, and the run ended with all replicas equal.
-        assert [e["epoch"] for e in result.history] == list(range(1, KILL_EPOCHS + 1))
-        counts = Counter(e["epoch"] for e in raw)
-        assert max(counts.values()) <= 2, counts
-        assert result.replicas_in_sync is True
-        for kill in killer.kills:
-            assert kill.landed, kill
-            # At most the work since the last registered checkpoint is redone: no epoch up to
-            # that checkpoint's is trained again after the kill.
-            later = [e["epoch"] for e in raw[kill.lines :]]
-            assert not later or min(later) > (kill.registered or 0), (kill, later)
-        # The uninterrupted run's numbers, epoch for epoch: the loss curve continues from each
-        # checkpoint with its optimizer state (AdamW moments), and the lr of the cosine schedule
-        # (recomputed from the epoch, not restored) is where it would have been.
-        for ours, theirs in zip(result.history, baseline.history, strict=True):
-            for name in ("train_loss", "val_loss"):
-                assert ours[name] == pytest.approx(theirs[name], rel=1e-5), (name, ours["epoch"])
-            for name in ("train_accuracy", "val_accuracy"):
-                assert ours[name] == theirs[name], (name, ours["epoch"])
-            assert ours["lr"] == pytest.approx(theirs["lr"], rel=1e-9), ours["epoch"]
-        # A rank 0 killed mid-write leaves its staging dir behind (SIGKILL runs no cleanup);
-        # the worker group that replaces it removes them.
-        staging = f"relay-ckpt-{Path(result.run_dir).name}-*"
-        assert not glob.glob(os.path.join(tempfile.gettempdir(), staging))
+    # Every epoch trained, none more than twice, and the run ended with all replicas equal.
+    assert [e["epoch"] for e in result.history] == list(range(1, KILL_EPOCHS + 1))
+    counts = Counter(e["epoch"] for e in raw)
+    assert max(counts.values()) <= 2, counts
+    assert result.replicas_in_sync is True
+    for kill in kills:
+        assert kill.landed, kill
+        # At most the work since the last registered checkpoint is redone: no epoch up to
+        # that checkpoint's is trained again after the kill.
+        later = [e["epoch"] for e in raw[kill.lines :]]
+        assert not later or min(later) > (kill.registered or 0), (kill, later)
+    # The uninterrupted run's numbers, epoch for epoch: the loss curve continues from each
+    # checkpoint with its optimizer state (AdamW moments), and the lr of the cosine schedule
+    # (recomputed from the epoch, not restored) is where it would have been.
+    for ours, theirs in zip(result.history, baseline.history, strict=True):
+        for name in ("train_loss", "val_loss"):
+            assert ours[name] == pytest.approx(theirs[name], rel=1e-5), (name, ours["epoch"])
+        for name in ("train_accuracy", "val_accuracy"):
+            assert ours[name] == theirs[name], (name, ours["epoch"])
+        assert ours["lr"] == pytest.approx(theirs["lr"], rel=1e-9), ours["epoch"]
+    # A rank 0 killed mid-write leaves its staging dir behind (SIGKILL runs no cleanup);
+    # the worker group that replaces it removes them.
+    staging = f"relay-ckpt-{Path(result.run_dir).name}-*"
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), staging))
 
-    kills = [k for _, ks, _, _ in tallies for k in ks]
-    retrained = [r["retrained"] for _, _, rs, _ in tallies for r in rs]
+    retrained = [r["retrained"] for r in restarts]
     phases = Counter(k.phase for k in kills)
-    recovery = [r["recovery_s"] for _, _, rs, _ in tallies for r in rs]
     print(
         f"\nreliability: worker SIGKILLs survived {sum(k.landed for k in kills)}/{len(kills)} "
-        f"over {len(tallies)} runs of {KILL_EPOCHS} epochs (epoch ~{epoch_s:.2f} s); "
-        f"epochs re-trained per kill {retrained} (max {max(retrained)}); "
-        f"where they struck {dict(phases)}; kill to next epoch done (s) {recovery}; "
-        f"killed runs took {time.time() - started:.0f} s"
-    )
-    for number, (_, ks, rs, raw) in enumerate(tallies):
-        print(
-            f"reliability: run {number}: history epochs {[e['epoch'] for e in raw]}; kills "
-            + "; ".join(
-                f"pid {k.pid} at epoch {k.epoch} (+{k.delay_s}s, aimed at {k.aim}, struck "
-                f"{k.phase}, registered "
-                f"{k.registered}) -> resumed at "
-                f"{r['resumed_at'] or 'the next epoch, seamless'}"
-                for k, r in zip(ks, rs, strict=True)
-            )
+        f"in a run of {KILL_EPOCHS} epochs (epoch ~{epoch_s:.2f} s); "
+        f"epochs re-trained per kill {retrained} (max {max(retrained, default=0)}); "
+        f"where they struck {dict(phases)}; kill to next epoch done (s) "
+        f"{[r['recovery_s'] for r in restarts]}; the killed run took {time.time() - started:.0f} s"
+        f"\nreliability: history epochs {[e['epoch'] for e in raw]}; kills "
+        + "; ".join(
+            f"pid {k.pid} at epoch {k.epoch} (+{k.delay_s}s, aimed at {k.aim}, struck "
+            f"{k.phase}, registered {k.registered}) -> resumed at "
+            f"{r['resumed_at'] or 'the next epoch, seamless'}"
+            for k, r in zip(kills, restarts, strict=True)
         )
-    assert len(kills) == sum(KILLS_PER_RUN), [(k.aim, k.phase) for k in kills]
+    )
+    assert len(kills) == KILLS, [(k.aim, k.phase) for k in kills]
     # Among them a kill mid-step, one while a checkpoint was being written, one mid-validation.
-    assert {"training-step", "checkpoint-write", "validation"} <= set(phases), phases
+    assert set(MUST_STRIKE) <= set(phases), phases
 
 
 # --- damaged checkpoints given to the CLI ---------------------------------------------------------
@@ -387,13 +409,13 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
 
 
 @pytest.mark.timeout(240)
-def test_damaged_checkpoints_fail_in_one_line(ray_cluster, tmp_path):
+def test_damaged_checkpoints_fail_in_one_line(uninterrupted_run, tmp_path):
     """Each damage x `relay serve`, `relay train --resume`, `relay runs show`: the exit code
     docs/training.md documents, one stderr line naming the damaged file, no traceback, and no Ray
-    started (the checks run before any cluster work). One run, a copy of its storage root per
-    damage, and all 9 commands in one fresh interpreter."""
-    storage = tmp_path / "storage"
-    run = relay.train(from_dict(small_config(storage)), out=None)
+    started (the checks run before any cluster work). One run (the kill test's uninterrupted
+    one), a copy of its storage root per damage, and all 9 commands in one fresh interpreter."""
+    run = uninterrupted_run
+    storage = Path(run.run_dir).parents[1]
     record_before = registry.read(Path(run.run_dir))
     checkpoints = {
         Path(run.checkpoint),
@@ -409,7 +431,7 @@ def test_damaged_checkpoints_fail_in_one_line(ray_cluster, tmp_path):
         for directory in checkpoints:
             damage(copy / directory.relative_to(storage) / name)
         config_file = tmp_path / f"damaged-{number}.yaml"
-        config_file.write_text(yaml.safe_dump(small_config(copy)))
+        config_file.write_text(yaml.safe_dump(kill_fields(copy)))
         commands = {
             "serve": ["serve", run.run_id, "--port", str(free_port()), "--storage", str(copy)],
             "train --resume": ["train", str(config_file), "--resume", run.run_id],
