@@ -1,10 +1,16 @@
 """Sharded checkpoints through real runs on the shared Ray cluster: every fsdp rank writes its
-own shards, Ray Train merges them into one checkpoint, and the run resumes from them on another
-worker count and under another strategy."""
+own shards, Ray Train merges them into one checkpoint (also while training goes on: async
+upload), and the run resumes from them on another worker count and under another strategy.
+
+Four Train runs in all (each costs ~10-15 CPU-s of Ray start-up, far more than its epochs): one
+fsdp run that both tests share, an async copy of it, and the two resumes.
+"""
 
 from __future__ import annotations
 
 import subprocess
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +20,7 @@ from support import BIN, REPO, subprocess_env
 import relay
 from relay.checkpoints import checkpoint
 from relay.config import from_dict
-from relay.records import registry
+from relay.records import history, registry
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -56,6 +62,19 @@ def _shard_files(directory: Path) -> list[str]:
     return sorted(p.name for p in (directory / checkpoint.SHARDS).iterdir())
 
 
+def _check_uploaded(run_dir: Path, epochs: list[str]) -> None:
+    """Every epoch's checkpoint reached storage whole and counts (keep: all), the last one is
+    the latest registered, and no rank left its local staging copy behind."""
+    names = sorted(p.name for p in run_dir.glob("epoch_*"))
+    assert names == epochs, (run_dir.name, names)
+    for name in names:
+        checkpoint.validate(run_dir / name)
+    latest = checkpoint.latest_registered(run_dir)
+    assert latest is not None and latest[0].name == epochs[-1], (run_dir.name, latest)
+    leftovers = list(Path(tempfile.gettempdir()).glob(f"relay-ckpt-{run_dir.name}-*"))
+    assert leftovers == [], leftovers
+
+
 def _weights_of(directory: Path, tmp_path: Path):
     """A checkpoint's whole weights, from whichever format it was written in."""
     from safetensors.torch import load_file
@@ -66,32 +85,18 @@ def _weights_of(directory: Path, tmp_path: Path):
     return load_file(consolidate.export(directory, out) / checkpoint.WEIGHTS)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])  # sharded, and gathered on rank 0
-def test_async_upload_registers_the_same_checkpoints_as_sync(
-    ray_cluster, relay_home, tmp_path, strategy, request
-):
-    import tempfile
-
-    runs = {}
-    for upload in ("sync", "async"):
-        if (strategy, upload) == ("fsdp", "sync"):
-            runs[upload] = request.getfixturevalue("fsdp_run")[1]
-            continue
-        cfg = _with_upload(_config(epochs=3, workers=2, strategy=strategy), upload)
-        result = relay.train(cfg, out=None)
-        runs[upload] = Path(registry.get_run(relay_home, result.run_id)["run_dir"])
-
-    for upload, run_dir in runs.items():
-        # Every epoch's checkpoint reached storage whole and counts (keep: all) ...
-        epochs = sorted(p.name for p in run_dir.glob("epoch_*"))
-        assert epochs == ["epoch_0001", "epoch_0002", "epoch_0003"], (upload, epochs)
-        for name in epochs:
-            checkpoint.validate(run_dir / name)
-        latest = checkpoint.latest_registered(run_dir)
-        assert latest is not None and latest[0].name == "epoch_0003", (upload, latest)
-        # ... and no rank left its local staging copy behind.
-        leftovers = list(Path(tempfile.gettempdir()).glob(f"relay-ckpt-{run_dir.name}-*"))
-        assert leftovers == [], leftovers
+def test_async_upload_registers_the_same_checkpoints_as_sync(fsdp_run, relay_home, tmp_path):
+    """Sharded (fsdp): every rank copies its own shards while training goes on, and Ray Train
+    merges them. (Async upload of a whole checkpoint, which rank 0 alone writes, is checked by
+    the resume test's ddp epochs.)"""
+    cfg = _with_upload(_config(epochs=3, workers=2, strategy="fsdp"), "async")
+    result = relay.train(cfg, out=None)
+    runs = {
+        "sync": fsdp_run[1],
+        "async": Path(registry.get_run(relay_home, result.run_id)["run_dir"]),
+    }
+    for run_dir in runs.values():
+        _check_uploaded(run_dir, ["epoch_0001", "epoch_0002", "epoch_0003"])
     # The same seed and data: the copies made while training went on hold the same weights
     # as those training waited for.
     for name in ("epoch_0001", "epoch_0002"):
@@ -101,7 +106,17 @@ def test_async_upload_registers_the_same_checkpoints_as_sync(
         assert all(torch.equal(v, overlapped[k]) for k, v in synced.items()), name
 
 
+def _first_epoch_start(run_dir, since: float) -> float:
+    """When the first epoch trained after `since` began, from history.jsonl (rank 0's clock)."""
+    first = next(e for e in history.read_raw(run_dir) if e["time"] >= since)
+    return first["time"] - first["epoch_s"]
+
+
 def test_fsdp_shards_resume_on_one_worker_then_under_ddp_on_two(fsdp_run, relay_home, tmp_path):
+    """Also, on the last resume (2 epochs, async upload): a whole checkpoint, gathered and
+    written by rank 0 alone, uploaded while training goes on; and the efficiency report's
+    start-up of a resumed run (the 1-worker reference test in test_strategy_runs.py checks a
+    fresh run's)."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -146,14 +161,34 @@ def test_fsdp_shards_resume_on_one_worker_then_under_ddp_on_two(fsdp_run, relay_
     # 2 -> 1 worker, still fsdp (one rank: its whole state in one file) ...
     relay.train(_config(epochs=4, workers=1, strategy="fsdp"), out=None, run_id=first.run_id)
     assert _shard_files(run_dir / "epoch_0004") == [".metadata", "__0_0.distcp"]
-    # ... then 1 -> 2 workers under ddp, which writes whole checkpoints.
-    last = relay.train(_config(epochs=5, workers=2, strategy="ddp"), out=None, run_id=first.run_id)
-    assert checkpoint.read_meta(run_dir / "epoch_0005")["format"] == "full"
+    # ... then 1 -> 2 workers under ddp, which writes whole checkpoints: epoch 5's uploaded
+    # while epoch 6 trains (async; the last epoch's upload is always waited for).
+    called = time.time()
+    last = relay.train(
+        _with_upload(_config(epochs=6, workers=2, strategy="ddp"), "async"),
+        out=None,
+        run_id=first.run_id,
+    )
+    assert [checkpoint.read_meta(run_dir / f"epoch_000{e}")["format"] for e in (5, 6)] == [
+        "full",
+        "full",
+    ]
+    _check_uploaded(run_dir, [f"epoch_000{e}" for e in range(1, 7)])
 
-    history = last.history
-    workers = [(e["epoch"], e["workers"]) for e in history]
-    assert workers == [(1, 2), (2, 2), (3, 2), (4, 1), (5, 2)]
-    losses = [e["train_loss"] for e in history]
+    workers = [(e["epoch"], e["workers"]) for e in last.history]
+    assert workers == [(1, 2), (2, 2), (3, 2), (4, 1), (5, 2), (6, 2)]
+    losses = [e["train_loss"] for e in last.history]
     # Each resume went on from where the run was (weights and optimizer moments), instead of
     # starting over: the loss keeps falling below epoch 3's.
-    assert losses[4] < losses[3] < losses[2] < losses[1] < losses[0], losses
+    assert losses[5] < losses[4] < losses[3] < losses[2] < losses[1] < losses[0], losses
+
+    # Start-up, against the test's own clock and the history: this call's, not the first
+    # call's (whose first epoch began long before this call started). The run's figure ends
+    # when this call's first epoch began (fit() starts within a second of the call); the
+    # report's when its first step ended, a step later. (History stamps an epoch's start a few
+    # ms late, and startup_s is rounded: hence the small slack.)
+    epoch_started = _first_epoch_start(run_dir, called)
+    assert epoch_started - called - 1.0 <= last.startup_s <= epoch_started - called + 0.01
+    startup = last.efficiency["startup"]
+    assert -0.05 <= startup["total_s"] - last.startup_s < 2.0
+    assert startup["restarts"] == 0 and startup["restarted_after_s"] is None
