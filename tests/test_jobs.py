@@ -1,5 +1,7 @@
 """`ray start --head` (started here, on free ports, in a session of its own) + `ray job submit`
-of jobs/train.py: the run succeeds and is findable afterwards in the registry."""
+of jobs/train.py with a user's task from the job's working dir: the run succeeds and is findable
+afterwards in the registry. One job for the whole module (each job is a Train run of its own on
+the head; the tests only read what it left)."""
 
 from __future__ import annotations
 
@@ -68,10 +70,17 @@ def submit_train(head_node, config: str, storage: Path, *extra: str) -> subproce
     return submit
 
 
-def test_job_submit_trains_and_registers(head_node, tmp_path):
+@pytest.fixture(scope="module")
+def sine_job(head_node, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """examples/sine.yaml, a task that is not part of relay: the job's workers import it from
+    the working dir the submit uploaded. (storage root, the finished submit)"""
+    storage = tmp_path_factory.mktemp("jobs") / "storage"
+    return storage, submit_train(head_node, "examples/sine.yaml", storage, "--json")
+
+
+def test_job_submit_trains_and_registers(head_node, sine_job):
     _, env = head_node
-    storage = tmp_path / "storage"
-    submit = submit_train(head_node, "jobs/configs/digits.yaml", storage, "--json")
+    storage, submit = sine_job
     assert "succeeded" in submit.stdout
     result_line = next(
         line for line in reversed(submit.stdout.splitlines()) if line.startswith('{"run_id"')
@@ -90,9 +99,8 @@ def test_job_submit_trains_and_registers(head_node, tmp_path):
     assert result["run_id"] in listed.stdout
 
 
-def test_job_submit_runs_a_user_task_from_the_working_dir(head_node, tmp_path):
-    storage = tmp_path / "storage"
-    submit_train(head_node, "examples/sine.yaml", storage)
+def test_job_submit_runs_a_user_task_from_the_working_dir(sine_job):
+    storage, _ = sine_job
     (record,) = registry.list_runs(storage)
     assert record["task"] == "examples.sine:SineTask"
     assert record["status"] == "finished"
