@@ -195,6 +195,9 @@ def test_sweep_trials_run_on_both_hosts(two_hosts):
     worker slot and a CPU: every later one-rank-per-host run of this module then waited for
     ever. The test checks that the sweep leaves no placement group behind."""
     cluster = two_hosts
+    # The premise needs both slots free: an earlier test's job may still hold one a while
+    # after it ended (seen in CI: the trials then ran one after the other, on the same host).
+    waited = _wait_for_free_worker_slots(cluster)
     began = time.monotonic()
     submit = cluster.run(
         0,
@@ -214,7 +217,10 @@ def test_sweep_trials_run_on_both_hosts(two_hosts):
     sweep = json.loads(
         next(line for line in reversed(submit.stdout.splitlines()) if line.startswith('{"sweep"'))
     )
-    print(f"\nhosts-sweep: job took {time.monotonic() - began:.1f} s")
+    print(
+        f"\nhosts-sweep: waited {waited} for free worker slots; job took "
+        f"{time.monotonic() - began:.1f} s"
+    )
     placed, spans = {}, []
     for trial in sweep["trials"]:
         assert trial["status"] == "completed", trial
@@ -233,6 +239,35 @@ def test_sweep_trials_run_on_both_hosts(two_hosts):
     # when nothing matches; the sweep's own removed groups are always listed.)
     groups = cluster.ray_json("placement-groups", "--limit=1000")
     assert [g for g in groups if g["state"] != "REMOVED"] == [], groups
+
+
+def _holders(cluster: NetnsCluster) -> list[str]:
+    """What holds resources now, between jobs: live placement groups, and live actors that
+    ask for resources outside one. (Unfiltered queries: see the end of the sweep test.)"""
+    held = [
+        f"placement group {g['placement_group_id'][:8]} ({g['state']}, job "
+        f"{g.get('creator_job_id')})"
+        for g in cluster.ray_json("placement-groups", "--limit=1000")
+        if g["state"] != "REMOVED"
+    ]
+    held += [
+        f"actor {a['class_name']} pid {a.get('pid')} (job {a.get('job_id')})"
+        for a in cluster.ray_json("actors", "--detail", "--limit=1000")
+        if a["state"] == "ALIVE"
+        and any(v > 0 for v in (a.get("required_resources") or {}).values())
+        and not a.get("placement_group_id")
+    ]
+    return held
+
+
+def _wait_for_free_worker_slots(cluster: NetnsCluster, timeout_s: float = 120) -> str:
+    """Wait until nothing holds resources (`_holders`); how long that took, and what held them."""
+    began, seen = time.monotonic(), set()
+    while held := _holders(cluster):
+        seen.update(held)
+        assert time.monotonic() - began < timeout_s, f"still held after {timeout_s} s: {held}"
+        time.sleep(1)
+    return f"{time.monotonic() - began:.1f} s for {sorted(seen) or 'nothing'}"
 
 
 def _finished_digits_run(cluster: NetnsCluster) -> str:
