@@ -185,8 +185,10 @@ def test_doctor_names_the_stuck_rank_on_the_other_host(two_hosts, tmp_path):
 def test_sweep_trials_run_on_both_hosts(two_hosts):
     """`relay tune` as a job: two trials at once, one worker each. Each worker asks for a
     host's only `worker_slot`, so the two concurrent trials can only be placed one per host.
-    Each trial trains for 50 epochs (5-10 s): trials of 2 epochs ended in under a
-    second, and in CI the second one then started after the first had ended, on its host.
+    The trials' task (tests/meet_task.py) makes each wait at its first step until both have
+    reached theirs: in CI, under load, one trial's actor took longer to start on host 1 than
+    the other trial took to train on host 0, and Tune then gave the pending trial the finished
+    one's actor there (it reuses the actors of in-actor trials).
 
     ASHA off: with it on, Tune ends each trial at its last report (max_t) by killing the trial
     actor while fit() is still finishing, and that was seen to (1) leave the trials' run
@@ -207,7 +209,10 @@ def test_sweep_trials_run_on_both_hosts(two_hosts):
             "--set", "name=hosts-sweep", "--set", "num_samples=2", "--set", "workers_per_trial=1",
             "--set", "max_concurrent_trials=2", "--set", "asha.enabled=false",
             "--set", "train.size=debug",
-            "--set", "train.epochs=50", "--set", f"train.storage={cluster.storage}",
+            "--set", "train.task=tests.meet_task:MeetingTask",
+            "--set", f"train.model.meet_dir={cluster.storage / 'hosts-sweep-meet'}",
+            "--set", "train.model.meet_count=2",
+            "--set", "train.epochs=2", "--set", f"train.storage={cluster.storage}",
             "--set", "train.scaling.resources_per_worker={CPU: 1, worker_slot: 1}", "--json",
         ],
         cwd=REPO,
@@ -231,7 +236,8 @@ def test_sweep_trials_run_on_both_hosts(two_hosts):
         placed[trial["trial_id"]] = rank["node_ip"]
         spans.append((record["started_at"], record["finished_at"]))
     print(f"hosts-sweep: trial -> host {placed}, runs {spans}")
-    # The premise: the two trials ran at the same time (else one host may serve both).
+    # The premise: the two trials ran at the same time (else one host may serve both); the
+    # meeting makes sure (a trial that waited the whole meet_s for the other would not be).
     (start_a, end_a), (start_b, end_b) = spans
     assert max(start_a, start_b) < min(end_a, end_b), spans
     assert sorted(placed.values()) == sorted(h.ip for h in cluster.hosts), placed
