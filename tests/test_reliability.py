@@ -143,10 +143,11 @@ def _ctime(path: str) -> float:
         return 0.0
 
 
-# What the kills aim at, in turn: the moments where what a restart must redo differs. The first
-# is epoch 1's checkpoint write, which may strike before Ray Train registered any checkpoint (the
-# restarted group then starts from scratch); the second checkpoint write has an older checkpoint
-# to go back to. Validation, the shortest, is aimed at twice too.
+# What the kills aim at, in turn (run 0 from the first, run 1 from the third): the moments where
+# what a restart must redo differs. Run 0's first is epoch 1's checkpoint write, which may strike
+# before Ray Train registered any checkpoint (the restarted group then starts from scratch); a
+# later checkpoint write has an older checkpoint to go back to. Validation, the shortest, is
+# aimed at twice too.
 AIMS = (
     "checkpoint-write",
     "validation",
@@ -168,10 +169,12 @@ class WorkerKiller(threading.Thread):
     started one), or anywhere in the next 1.2 epochs. Where each kill really struck is read from
     disk when it lands (`_phase`)."""
 
-    def __init__(self, storage: Path, count: int, epoch_s: float, rng: random.Random) -> None:
+    def __init__(
+        self, storage: Path, count: int, epoch_s: float, rng: random.Random, first_aim: int = 0
+    ) -> None:
         super().__init__(daemon=True)
         self.storage, self.count, self.epoch_s, self.rng = storage, count, epoch_s, rng
-        self.turn = 0  # the next aim of AIMS
+        self.turn = first_aim  # the next aim of AIMS
         self.kills: list[Kill] = []
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -281,14 +284,14 @@ def _restarts(raw: list[dict], kills: list[Kill]) -> list[dict]:
 FINAL_METRICS = ("train_loss", "val_loss", "val_accuracy", "train_accuracy")
 
 
-KILLS = 6
+KILLS_PER_RUN = (5, 5)
 
 
 @pytest.mark.timeout(540)
 def test_sigkilled_workers_at_random_moments(uninterrupted_run, tmp_path):
-    """6 SIGKILLs of a worker (rank 0 or 1) in one run, aimed in turn mid-checkpoint write,
-    mid-validation, mid-step and anywhere; where each struck is recorded, and each of the first
-    three must have happened.
+    """10 SIGKILLs of a worker (rank 0 or 1) over 2 runs, aimed in turn mid-checkpoint write,
+    mid-validation, mid-step and anywhere (`AIMS`; the second run from the third); where each
+    struck is recorded, and each of the first three must have happened.
 
     Tolerance of every epoch's metrics against an uninterrupted run: rel 1e-5 (losses, lr) and
     exact accuracies. A resumed run is the same computation: weights and AdamW moments come
@@ -299,21 +302,53 @@ def test_sigkilled_workers_at_random_moments(uninterrupted_run, tmp_path):
     baseline = uninterrupted_run
     epoch_s = sorted(e["epoch_s"] for e in baseline.history)[len(baseline.history) // 2]
 
+    rng = random.Random(20240608)
     started = time.time()
-    storage = tmp_path / "killed"
-    killer = WorkerKiller(storage, KILLS, epoch_s, random.Random(20240608))
-    killer.start()
-    try:
-        result = relay.train(kill_config(storage), out=None)
-    finally:
-        killer.stop.set()
-        killer.join(timeout=30)
-    assert killer.error is None, killer.error
-    kills = killer.kills
-    raw = history.read_raw(result.run_dir)
-    restarts = _restarts(raw, kills)
+    tallies = []
+    for number, count in enumerate(KILLS_PER_RUN):
+        storage = tmp_path / f"killed-{number}"
+        killer = WorkerKiller(storage, count, epoch_s, rng, first_aim=2 * number)
+        killer.start()
+        try:
+            result = relay.train(kill_config(storage), out=None)
+        finally:
+            killer.stop.set()
+            killer.join(timeout=30)
+        assert killer.error is None, killer.error
+        raw = history.read_raw(result.run_dir)
+        _check_killed_run(result, raw, killer.kills, baseline)
+        tallies.append((killer.kills, _restarts(raw, killer.kills), raw))
 
-    # Every epoch trained, none more than twice, and the run ended with all replicas equal.
+    kills = [k for ks, _, _ in tallies for k in ks]
+    retrained = [r["retrained"] for _, rs, _ in tallies for r in rs]
+    phases = Counter(k.phase for k in kills)
+    recovery = [r["recovery_s"] for _, rs, _ in tallies for r in rs]
+    print(
+        f"\nreliability: worker SIGKILLs survived {sum(k.landed for k in kills)}/{len(kills)} "
+        f"over {len(tallies)} runs of {KILL_EPOCHS} epochs (epoch ~{epoch_s:.2f} s); "
+        f"epochs re-trained per kill {retrained} (max {max(retrained, default=0)}); "
+        f"where they struck {dict(phases)}; kill to next epoch done (s) {recovery}; "
+        f"killed runs took {time.time() - started:.0f} s"
+    )
+    for number, (ks, rs, raw) in enumerate(tallies):
+        print(
+            f"reliability: run {number}: history epochs {[e['epoch'] for e in raw]}; kills "
+            + "; ".join(
+                f"pid {k.pid} at epoch {k.epoch} (+{k.delay_s}s, aimed at {k.aim}, struck "
+                f"{k.phase}, registered {k.registered}) -> resumed at "
+                f"{r['resumed_at'] or 'the next epoch, seamless'}"
+                for k, r in zip(ks, rs, strict=True)
+            )
+        )
+    assert len(kills) == sum(KILLS_PER_RUN), [(k.aim, k.phase) for k in kills]
+    # Among them a kill mid-step, one while a checkpoint was being written, one mid-validation.
+    assert set(MUST_STRIKE) <= set(phases), phases
+
+
+def _check_killed_run(result, raw: list[dict], kills: list[Kill], baseline) -> None:
+    """What a run survived its kills with: every epoch trained, none more than twice, the
+    replicas equal at the end, no work before the last registered checkpoint redone, the
+    uninterrupted run's numbers epoch for epoch, no staging dir left behind."""
     assert [e["epoch"] for e in result.history] == list(range(1, KILL_EPOCHS + 1))
     counts = Counter(e["epoch"] for e in raw)
     assert max(counts.values()) <= 2, counts
@@ -324,9 +359,9 @@ def test_sigkilled_workers_at_random_moments(uninterrupted_run, tmp_path):
         # that checkpoint's is trained again after the kill.
         later = [e["epoch"] for e in raw[kill.lines :]]
         assert not later or min(later) > (kill.registered or 0), (kill, later)
-    # The uninterrupted run's numbers, epoch for epoch: the loss curve continues from each
-    # checkpoint with its optimizer state (AdamW moments), and the lr of the cosine schedule
-    # (recomputed from the epoch, not restored) is where it would have been.
+    # The loss curve continues from each checkpoint with its optimizer state (AdamW moments),
+    # and the lr of the cosine schedule (recomputed from the epoch, not restored) is where it
+    # would have been.
     for ours, theirs in zip(result.history, baseline.history, strict=True):
         for name in ("train_loss", "val_loss"):
             assert ours[name] == pytest.approx(theirs[name], rel=1e-5), (name, ours["epoch"])
@@ -337,26 +372,6 @@ def test_sigkilled_workers_at_random_moments(uninterrupted_run, tmp_path):
     # the worker group that replaces it removes them.
     staging = f"relay-ckpt-{Path(result.run_dir).name}-*"
     assert not glob.glob(os.path.join(tempfile.gettempdir(), staging))
-
-    retrained = [r["retrained"] for r in restarts]
-    phases = Counter(k.phase for k in kills)
-    print(
-        f"\nreliability: worker SIGKILLs survived {sum(k.landed for k in kills)}/{len(kills)} "
-        f"in a run of {KILL_EPOCHS} epochs (epoch ~{epoch_s:.2f} s); "
-        f"epochs re-trained per kill {retrained} (max {max(retrained, default=0)}); "
-        f"where they struck {dict(phases)}; kill to next epoch done (s) "
-        f"{[r['recovery_s'] for r in restarts]}; the killed run took {time.time() - started:.0f} s"
-        f"\nreliability: history epochs {[e['epoch'] for e in raw]}; kills "
-        + "; ".join(
-            f"pid {k.pid} at epoch {k.epoch} (+{k.delay_s}s, aimed at {k.aim}, struck "
-            f"{k.phase}, registered {k.registered}) -> resumed at "
-            f"{r['resumed_at'] or 'the next epoch, seamless'}"
-            for k, r in zip(kills, restarts, strict=True)
-        )
-    )
-    assert len(kills) == KILLS, [(k.aim, k.phase) for k in kills]
-    # Among them a kill mid-step, one while a checkpoint was being written, one mid-validation.
-    assert set(MUST_STRIKE) <= set(phases), phases
 
 
 # --- damaged checkpoints given to the CLI ---------------------------------------------------------
