@@ -1,5 +1,4 @@
-"""Sweeps: Ray Tune + ASHA over the same train loop, each trial trained in its Tune trial actor
-(one worker) or by a TorchTrainer of its own."""
+"""Sweeps: Ray Tune + ASHA over the same train loop, each trial its own TorchTrainer."""
 
 from __future__ import annotations
 
@@ -192,31 +191,22 @@ def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
 
 @pytest.mark.slow
 def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(ray_cluster, storage, tmp_path):
-    """asha.strategy promote over TorchTrainer trials (`in_actor: false`, the path of
-    multi-worker trials), one trial at a time, one rung: epoch 1 of 2 (rf 2). The first trial
-    (a good lr) has nothing to rank against at the rung, so it pauses, where Ray's stopping rule
-    would run it on. The driver is killed there (a crash) and the sweep resumed: the paused
-    trial waits again, the hopeless second ranks below it and pauses, so the first is promoted
-    and its Train run resumed from its rung checkpoint, to max_t; the sweep ends by stopping the
-    trial still paused. The killed driver has a cluster of its own (a driver killed in the
-    shared one could leave groups there that later tests would miss); the resumed one is this
-    process, as `relay tune --resume` runs it, so that what it leaves behind can be seen.
+    """asha.strategy promote, one trial at a time, rungs at epochs 1 and 2 of 4 (rf 2). The
+    first trial (a good lr) has nothing to rank against at rung 1, so it pauses, where Ray's
+    stopping rule would run it on. The driver is killed there (a crash) and the sweep resumed:
+    the paused trial waits again, the hopeless second ranks below it, so the first is promoted
+    and resumed from its rung-1 checkpoint; the last (the best lr) passes both rungs at once
+    and alone trains to max_t; the sweep ends by stopping every trial still paused. The killed
+    driver has a cluster of its own (a driver killed in the shared one could leave groups
+    there that later tests would miss); the resumed one is this process, as `relay tune
+    --resume` runs it, so that what it leaves behind can be seen.
 
-    TorchTrainer trials: the kill needs the time a trial's start takes, between the first pause
-    and the second trial's arrival at the rung. Two trials and one rung: the fewest Train runs
-    (each start costs seconds of CPU) that pause, promote and resume a run across a kill; more
-    trials and rungs, and trials promoted on arrival, are test_promotion_in_trial_actors_...
-    (in-actor trials)."""
+    Its trials are TorchTrainer runs (`in_actor: false`, the path of multi-worker trials): the
+    kill needs the time a trial's start takes, between the first pause and the second trial's
+    arrival at rung 1. In-actor trials: test_promotion_in_trial_actors_..."""
 
-    cfg = sweep_config(
-        storage,
-        epochs=2,
-        search={"optim.lr": {"grid": [3e-3, 1e-6]}},
-        max_concurrent_trials=1,
-        asha={"grace_period": 1, "reduction_factor": 2, "strategy": "promote"},
-        in_actor=False,
-    )
-    assert sweep.promotion_rungs(cfg) == [1] and not sweep.trains_in_actor(cfg)
+    cfg = promotion_config(storage, in_actor=False)
+    assert not sweep.trains_in_actor(cfg)
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json())))
     # Tune saves its experiment state at most every 10 s ("auto"); 1 s here: less to wait for.
@@ -235,7 +225,7 @@ def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(ray_cluster, st
                 break
             time.sleep(0.2)
         else:
-            pytest.fail("no trial reached the rung")
+            pytest.fail("no trial reached rung 1")
         (sweep_dir,) = dirs
         paused_at = (sweep_dir / promotion.STATE).stat().st_mtime
         while time.monotonic() < deadline:  # Tune saves its state after the pause
@@ -251,49 +241,40 @@ def test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted(ray_cluster, st
     assert placement_groups_left() == []
     trials = {t["config"]["optim.lr"]: t for t in result.trials}
     assert trials[3e-3]["trial_id"] == first  # the grid's order: the good lr came first
-    # Tune's view: how each trial ended, and the epochs it was let train before then
-    assert {lr: (t["status"], t["epochs_run"]) for lr, t in trials.items()} == {
-        3e-3: ("completed", 2),  # paused at the rung, promoted on 1e-6's arrival
-        1e-6: ("stopped", 1),  # paused behind it at the rung, stopped at the end
-    }
-    assert result.best["config"]["optim.lr"] == 3e-3
-    assert all(t["chosen_by"] == "random" for t in result.trials)  # the search chose
-    # The rung's decisions, across the kill: both ranked, only the first promoted.
-    final = rungs(sweep_dir)
-    assert set(final[1]["recorded"]) == {first, trials[1e-6]["trial_id"]}
-    assert final[1]["promoted"] == [first]
-    # The promoted trial's Train run, a worker group's, was stopped at the rung and resumed
-    # once (after the kill, not at it: it waited at the rung), its second stretch starting
-    # right after the rung's checkpoint (history.jsonl keeps every attempt; the first stretch
-    # may have run ahead of the pause before it was stopped).
-    record = registry.get_run(storage, trials[3e-3]["run_id"])
-    assert record["resumes"] == 1 and record["worker_group"] is True, record
-    attempts = [e["epoch"] for e in history.read_raw(record["run_dir"]) if "train_loss" in e]
-    # (a stretch that did not run ahead continues at the next index)
-    restart = next((i for i in range(1, len(attempts)) if attempts[i] <= attempts[i - 1]), 1)
-    assert attempts[0] == 1 and attempts[restart] == 2, attempts
+    assert_promotion_decisions(storage, result)
 
 
 @pytest.mark.slow
 def test_promotion_in_trial_actors_pauses_and_resumes_the_promoted(ray_cluster, storage):
-    """asha.strategy promote, one trial at a time, rungs at epochs 1 and 2 of 4 (rf 2), the
-    one-worker trials trained in their Tune trial actors. The first trial (a good lr) has
-    nothing to rank against at rung 1, so it pauses, where Ray's stopping rule would run it on;
-    the hopeless second ranks below it, so the first is promoted and its run resumed in place
-    from its rung-1 checkpoint, and pauses alone at rung 2; the hopeless third pauses at rung 1
-    for good; the last (the best lr) passes both rungs at once and alone trains to max_t; the
-    sweep ends by stopping every trial still paused. (Across a kill, over TorchTrainer trials:
-    test_promotion_asha_pauses_at_rungs_and_resumes_the_promoted.)"""
+    """The same promotion sweep, its one-worker trials trained in their Tune trial actors, not
+    interrupted: the same decisions at every rung, the promoted trial's run resumed in place
+    from its rung-1 checkpoint."""
+    cfg = promotion_config(storage)
+    assert sweep.trains_in_actor(cfg)
+    result = sweep.run(cfg, out=None)
+    assert placement_groups_left() == []
+    assert_promotion_decisions(storage, result)
+    # A run in its trial's actor waits at the rung inside its report: nothing ran ahead.
+    (promoted,) = [t for t in result.trials if t["config"]["optim.lr"] == 3e-3]
+    run_dir = registry.get_run(storage, promoted["run_id"])["run_dir"]
+    assert [e["epoch"] for e in history.read_raw(run_dir) if "train_loss" in e] == [1, 2]
+
+
+def promotion_config(storage: Path, **fields) -> SweepConfig:
+    """asha.strategy promote, one trial at a time, rungs at epochs 1 and 2 of 4 (rf 2)."""
     cfg = sweep_config(
         storage,
         search={"optim.lr": {"grid": [3e-3, 1e-6, 1e-5, 1e-2]}},
         max_concurrent_trials=1,
         asha={"grace_period": 1, "reduction_factor": 2, "strategy": "promote"},
+        **fields,
     )
-    assert sweep.promotion_rungs(cfg) == [1, 2] and sweep.trains_in_actor(cfg)
-    result = sweep.run(cfg, out=None)
-    assert placement_groups_left() == []
+    assert sweep.promotion_rungs(cfg) == [1, 2]
+    return cfg
 
+
+def assert_promotion_decisions(storage: Path, result: sweep.SweepResult) -> None:
+    """What `promotion_config`'s sweep decides (the docstring of test_promotion_asha_...)."""
     sweep_dir = Path(result.sweep_dir)
     trials = {t["config"]["optim.lr"]: t for t in result.trials}
     # Tune's view: the epochs each trial was let train before its last decision
@@ -306,8 +287,8 @@ def test_promotion_in_trial_actors_pauses_and_resumes_the_promoted(ray_cluster, 
     assert [t["status"] for t in trials.values()].count("completed") == 1
     assert result.best["config"]["optim.lr"] == 1e-2
     assert all(t["chosen_by"] == "random" for t in result.trials)  # the search chose
-    # Every rung's decisions: all four ranked at rung 1, where 3e-3 was kept on the second's
-    # arrival and 1e-2 on its own; 1e-2 alone passed rung 2.
+    # Every rung's decisions, across the kill: all four ranked at rung 1, where 3e-3 was kept
+    # on the second's arrival and 1e-2 on its own; 1e-2 alone passed rung 2.
     ids = {lr: t["trial_id"] for lr, t in trials.items()}
     final = {r["epoch"]: r for r in json.loads((sweep_dir / promotion.STATE).read_text())["rungs"]}
     assert set(final[1]["recorded"]) == set(ids.values())
@@ -315,16 +296,20 @@ def test_promotion_in_trial_actors_pauses_and_resumes_the_promoted(ray_cluster, 
     assert set(final[2]["recorded"]) == {ids[3e-3], ids[1e-2]}
     assert final[2]["promoted"] == [ids[1e-2]]
 
-    # The promoted trial's run was stopped and resumed once, its second stretch starting right
-    # after the rung-1 checkpoint: a run in its trial's actor waits at the rung inside its
-    # report, so nothing ran ahead.
+    # The promoted trial's Train run was stopped and resumed: one run, resumed once (after the
+    # kill, not at it: it waited at the rung), its second stretch starting right after the
+    # rung-1 checkpoint (history.jsonl keeps every attempt; the first stretch may have run
+    # ahead of the pause before it was stopped).
     record = registry.get_run(storage, trials[3e-3]["run_id"])
-    assert record["resumes"] == 1 and record["worker_group"] is False, record
-    assert [e["epoch"] for e in history.read_raw(record["run_dir"]) if "train_loss" in e] == [1, 2]
-    # Trials started one at a time: 1e-6 and 1e-5 paused for good, never resumed; 1e-2 started
-    # only once 1e-5 had paused (else it would have met rung 2 first and waited there), so it
-    # ran straight through.
-    for lr in (1e-6, 1e-5, 1e-2):
+    assert record["resumes"] == 1, record
+    attempts = [e["epoch"] for e in history.read_raw(record["run_dir"]) if "train_loss" in e]
+    # (a stretch that did not run ahead continues at the next index)
+    restart = next((i for i in range(1, len(attempts)) if attempts[i] <= attempts[i - 1]), 1)
+    assert attempts[0] == 1 and attempts[restart] == 2, attempts
+    # Trials started after the resume, one at a time: 1e-5 paused for good, never resumed;
+    # 1e-2 started only once 1e-5 had paused (else it would have met rung 2 first and waited
+    # there), so it ran straight through.
+    for lr in (1e-5, 1e-2):
         assert registry.get_run(storage, trials[lr]["run_id"]).get("resumes") == 0, lr
 
 
