@@ -42,16 +42,11 @@ def relay(*args: str, storage, check: bool = True) -> subprocess.CompletedProces
     )
 
 
-# MLflow's job runner (huey consumers for MLflow's own server-side jobs, which relay never
-# submits) off: on 2 cores it cost more CPU than the tracking server itself.
-NO_MLFLOW_JOBS = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-
-
 @pytest.fixture(scope="module")
 def mlflow(tmp_path_factory):
     """A real MLflow server for this module's runs: (URI, its process). The last test of the
     module stops it."""
-    with mlflow_server(tmp_path_factory.mktemp("mlflow"), **NO_MLFLOW_JOBS) as server:
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as server:
         yield server
 
 

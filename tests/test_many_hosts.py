@@ -199,7 +199,7 @@ def test_sweep_trials_run_on_both_hosts(two_hosts):
     cluster = two_hosts
     # The premise needs both slots free: an earlier test's job may still hold one a while
     # after it ended (seen in CI: the trials then ran one after the other, on the same host).
-    waited = _wait_for_free_worker_slots(cluster)
+    waited = _wait_until_nothing_holds_resources(cluster)
     began = time.monotonic()
     submit = cluster.run(
         0,
@@ -223,7 +223,7 @@ def test_sweep_trials_run_on_both_hosts(two_hosts):
         next(line for line in reversed(submit.stdout.splitlines()) if line.startswith('{"sweep"'))
     )
     print(
-        f"\nhosts-sweep: waited {waited} for free worker slots; job took "
+        f"\nhosts-sweep: waited {waited} for resources to be free; job took "
         f"{time.monotonic() - began:.1f} s"
     )
     placed, spans = {}, []
@@ -266,7 +266,7 @@ def _holders(cluster: NetnsCluster) -> list[str]:
     return held
 
 
-def _wait_for_free_worker_slots(cluster: NetnsCluster, timeout_s: float = 120) -> str:
+def _wait_until_nothing_holds_resources(cluster: NetnsCluster, timeout_s: float = 120) -> str:
     """Wait until nothing holds resources (`_holders`); how long that took, and what held them."""
     began, seen = time.monotonic(), set()
     while held := _holders(cluster):

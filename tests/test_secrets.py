@@ -113,9 +113,7 @@ def test_no_file_a_run_writes_and_no_line_it_prints_holds_the_mlflow_password(tm
     storage, store = tmp_path / "storage", tmp_path / "mlflow"
     storage.mkdir()
     store.mkdir()
-    # Without MLflow's job runner (huey consumers for server-side jobs relay never submits):
-    # on 2 cores it cost more CPU than the tracking server itself.
-    with mlflow_server(store, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false") as (uri, _):
+    with mlflow_server(store) as (uri, _):
         with_password = uri.replace("http://", f"http://admin:{SECRET}@")
         # One worker: a second would write the same kinds of files (its own log) again.
         train = ["train", "examples/sine.yaml", "--set", "size=debug", "--set", "epochs=2",

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import BIN, REPO, subprocess_env
+from support import BIN, REPO, first_epoch_start, subprocess_env
 
 import relay
 from relay.checkpoints import checkpoint
 from relay.config import from_dict
-from relay.records import history, registry
+from relay.records import registry
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -106,12 +106,6 @@ def test_async_upload_registers_the_same_checkpoints_as_sync(fsdp_run, relay_hom
         assert all(torch.equal(v, overlapped[k]) for k, v in synced.items()), name
 
 
-def _first_epoch_start(run_dir, since: float) -> float:
-    """When the first epoch trained after `since` began, from history.jsonl (rank 0's clock)."""
-    first = next(e for e in history.read_raw(run_dir) if e["time"] >= since)
-    return first["time"] - first["epoch_s"]
-
-
 def test_fsdp_shards_resume_on_one_worker_then_under_ddp_on_two(fsdp_run, relay_home, tmp_path):
     """Also, on the last resume (2 epochs, async upload): a whole checkpoint, gathered and
     written by rank 0 alone, uploaded while training goes on; and the efficiency report's
@@ -187,7 +181,7 @@ def test_fsdp_shards_resume_on_one_worker_then_under_ddp_on_two(fsdp_run, relay_
     # when this call's first epoch began (fit() starts within a second of the call); the
     # report's when its first step ended, a step later. (History stamps an epoch's start a few
     # ms late, and startup_s is rounded: hence the small slack.)
-    epoch_started = _first_epoch_start(run_dir, called)
+    epoch_started = first_epoch_start(run_dir, called)
     assert epoch_started - called - 1.0 <= last.startup_s <= epoch_started - called + 0.01
     startup = last.efficiency["startup"]
     assert -0.05 <= startup["total_s"] - last.startup_s < 2.0

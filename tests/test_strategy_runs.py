@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 import requests
-from support import free_port, mlflow_client, pixels_of, render_page, tensorboard_scalars
+from support import (
+    first_epoch_start,
+    free_port,
+    mlflow_client,
+    pixels_of,
+    render_page,
+    tensorboard_scalars,
+)
 
 import relay
 from relay.checkpoints import checkpoint
@@ -243,12 +250,6 @@ def test_fsdp_trained_model_serves_like_the_offline_model(strategy_sweep, relay_
     assert response.json()["predictions"] == offline
 
 
-def _first_epoch_start(run_dir, since: float) -> float:
-    """When the first epoch trained after `since` began, from history.jsonl (rank 0's clock)."""
-    first = next(e for e in history.read_raw(run_dir) if e["time"] >= since)
-    return first["time"] - first["epoch_s"]
-
-
 def test_one_worker_run_is_the_reference_for_speedup(ray_cluster, relay_home):
     def config(workers: int):
         return from_dict(
@@ -279,7 +280,7 @@ def test_one_worker_run_is_the_reference_for_speedup(ray_cluster, relay_home):
     # first epoch began (fit() starts within a second of the call); the report's when its
     # first step ended, a step later. (History stamps an epoch's start a few ms late, and
     # startup_s is rounded: hence the small slack.)
-    epoch_started = _first_epoch_start(double.run_dir, called)
+    epoch_started = first_epoch_start(double.run_dir, called)
     assert epoch_started - called - 1.0 <= double.startup_s <= epoch_started - called + 0.01
     assert -0.05 <= double.efficiency["startup"]["total_s"] - double.startup_s < 2.0
     assert double.efficiency["startup"]["restarts"] == 0
