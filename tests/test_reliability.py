@@ -281,9 +281,6 @@ def _restarts(raw: list[dict], kills: list[Kill]) -> list[dict]:
     return out
 
 
-FINAL_METRICS = ("train_loss", "val_loss", "val_accuracy", "train_accuracy")
-
-
 KILLS_PER_RUN = (5, 5)
 
 
