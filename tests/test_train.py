@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import ray
 
 import relay
 from relay.checkpoints import checkpoint
 from relay.config import from_dict
-from relay.records import registry
+from relay.records import history, registry
 from relay.runtime import ray_private
 from relay.tasks import BUILTIN, build_task
 from relay.training.driver import WorkersNotPlaced
@@ -76,15 +80,59 @@ def test_checkpoint_retention_keeps_the_best(ray_cluster, relay_home):
     assert result.best_metrics["val_accuracy"] == best_by_history["val_accuracy"]
 
     # relay's run switches (cluster.RUN_SWITCHES) reached the run's controller: the GCS lists
-    # no PreemptionWatcher, which Ray Train starts for every worker group by default.
+    # no PreemptionWatcher, which Ray Train starts for every worker group by default. Nor a
+    # PlacementGroupCleaner, which Ray starts for every run and which cannot work on a
+    # cluster without a dashboard, as this one is (ray_private.torch_trainer).
     assert ray_private.actors_of_class("TrainController")
     assert not ray_private.actors_of_class("PreemptionWatcher")
+    assert not ray_private.state_api_served()
+    assert not ray_private.actors_of_class("PlacementGroupCleaner")
 
     # The run's controller ended with it: Ray's Ctrl-C handler, which holds its handle, is gone.
     deadline = time.monotonic() + 30
     while ray_private.alive_actor_ids("TrainController") - before and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not ray_private.alive_actor_ids("TrainController") - before
+
+
+def test_a_run_whose_controller_dies_leaves_no_placement_group_behind(ray_cluster, relay_home):
+    """The run's controller is SIGKILLed mid-run (as the kernel's OOM killer would): fit()
+    fails, and relay's driver releases the worker group's placement group, which Ray keeps
+    while its creator's job lives — here the test's own. (Ray Train's PlacementGroupCleaner,
+    meant for this, could not see the death on a cluster without a dashboard: with it and
+    without relay's release, the group stayed.)"""
+    cfg = debug_config("digits", name="controller-dies", epochs=500, scaling={"num_workers": 1})
+    before = ray_private.alive_actor_ids("TrainController")
+    killed: list[int] = []
+
+    def kill_the_controller_once_it_trains() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed:
+            runs = [
+                r
+                for r in registry.list_runs(relay_home)
+                if r["run_id"].startswith("controller-dies-")
+            ]
+            if runs and history.read_raw(runs[0]["run_dir"]):  # an epoch trained
+                controllers = ray_private.actors_of_class("TrainController")
+                (pid,) = [controllers[a]["pid"] for a in ray_private.alive_actor_ids(
+                    "TrainController") - before]  # fmt: skip
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_the_controller_once_it_trains, daemon=True)
+    killer.start()
+    with pytest.raises(Exception):  # noqa: B017 - Ray's own: the controller actor died
+        relay.train(cfg, out=None)
+    killer.join(timeout=10)
+    assert killed, "the run ended before its controller could be killed"
+    left = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+    assert left == [], left
+    (run,) = [
+        r for r in registry.list_runs(relay_home) if r["run_id"].startswith("controller-dies-")
+    ]
+    assert run["status"] == "failed"
 
 
 def test_a_run_whose_workers_cannot_be_placed_fails_within_its_bound_then_resumes(

@@ -175,6 +175,13 @@ def _dead(actor_id: bytes) -> bool:
     return bool(info) and info.get("State") == "DEAD"
 
 
+def state_api_served() -> bool:
+    """Whether the cluster this process joined runs Ray's dashboard, which serves the State
+    API (`ray list`, ray.util.state): a `ray start --head` cluster by default, a cluster relay
+    starts only when asked (cluster.DASHBOARD_ENV)."""
+    return bool(ray._private.worker.get_dashboard_url())
+
+
 def release_orphaned_placement_groups() -> list[str]:
     """Remove placement groups whose creating actor is dead; returns their ids (hex).
 
@@ -286,6 +293,16 @@ def torch_trainer(*, out_of_memory_ends: tuple[str, int] | None = None, **kwargs
       even when `datasets` is empty, beside the workers' own start-up on the same cores. relay's
       in-memory ingest hands the workers object references instead
       (relay/training/data/ingest.py); a run with Ray Data ingest keeps the callback as Ray has it.
+    - On a cluster without Ray's dashboard (the clusters relay starts: cluster.DASHBOARD_ENV) a
+      run starts no PlacementGroupCleaner. Ray's PlacementGroupCleanerCallback starts that
+      detached actor for every run, to remove the worker group's placement group should the
+      controller die; it learns of the death from the State API, which the dashboard serves.
+      Without one every look fails (ServerUnavailable) and the cleaner looks again each second,
+      forever: it can never clean, costs a process importing Ray Train (2.2-2.7 CPU-s a run on
+      2 cores, 2026-12-07) that the worker group's start waits for, and outlives a controller
+      that died. relay's driver releases what such a death orphans itself
+      (`release_orphaned_placement_groups` after a failed fit(), `reclaiming_orphans` around a
+      sweep). Where a dashboard runs, the cleaner stays.
     - With `out_of_memory_ends` (run id, ranks) a worker group that ran out of memory under
       `scaling.memory_per_worker` ends the run at once instead of restarting up to
       `failure.max_failures` times: the same model on the same ranks meets the same wall on
@@ -300,6 +317,9 @@ def _relay_torch_trainer() -> type:
     import that only a run pays for."""
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import (
+        PlacementGroupCleanerCallback,
+    )
 
     class RelayTorchTrainer(TorchTrainer):
         def __init__(self, *, out_of_memory_ends: tuple[str, int] | None, **kwargs: Any):
@@ -307,10 +327,10 @@ def _relay_torch_trainer() -> type:
             super().__init__(**kwargs)
 
         def _create_default_callbacks(self) -> list:
-            callbacks = super()._create_default_callbacks()
-            if self.datasets:
-                return callbacks
-            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+            dropped = () if self.datasets else (DatasetsCallback,)
+            if not state_api_served():
+                dropped += (PlacementGroupCleanerCallback,)
+            return [c for c in super()._create_default_callbacks() if not isinstance(c, dropped)]
 
         def _initialize_and_run_controller(self, **controller_kwargs: Any):
             if self._out_of_memory_ends is not None:

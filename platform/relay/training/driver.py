@@ -7,6 +7,7 @@ result.checkpoint                  # absolute path of the best checkpoint direct
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import sys
 import time
@@ -313,6 +314,12 @@ def _run(cfg: RunConfig, opened: _OpenRun, trainer: Any, out: TextIO | None, tim
             times["fit_called"] = time.time()
             return trainer.fit()
     except BaseException as exc:
+        # A controller that died (not one that ended the run) leaves its worker group's
+        # placement group behind while this job lives: no cleaner watches it here
+        # (ray_private.torch_trainer). The run's own failure is what to report, even when the
+        # cluster cannot be asked (a lost head).
+        with contextlib.suppress(Exception):
+            ray_private.release_orphaned_placement_groups()
         explained = _memory_wall(cfg, run_id, exc) or _not_placed(cfg, run_id, exc, wait_s)
         _record_failure(run_dir, opened.record, explained or exc)
         opened.tracked.close("FAILED" if isinstance(exc, Exception) else "KILLED")

@@ -21,6 +21,7 @@ the model's buffers (e.g. running statistics), and the process itself. Torch onl
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -35,10 +36,13 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds the state: ZeroRedundancyOptimizer's `.optim` over this rank's
-    partition, any other optimizer itself."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    partition, any other optimizer itself. torch.distributed.optim is not imported for this
+    (0.7-1.7 s, which zero1 alone pays: relay/parallel/zero1.py): where nothing imported it,
+    no optimizer can be a ZeroRedundancyOptimizer."""
+    zero = sys.modules.get("torch.distributed.optim")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return optimizer.optim
+    return optimizer
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
