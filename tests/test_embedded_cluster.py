@@ -1,6 +1,7 @@
 """The cluster relay starts for one command (`relay train/tune/serve` without RAY_ADDRESS) runs
 no Ray dashboard unless asked: its dozen processes would start while the first epochs train
-(relay/runtime/cluster.py, DASHBOARD_ENV). RELAY_RAY_DASHBOARD=1 brings it back."""
+(relay/runtime/cluster.py, DASHBOARD_ENV). RELAY_RAY_DASHBOARD=1 brings it back. Nor workers
+started before there is work for them (PRESTART_SWITCH)."""
 
 from __future__ import annotations
 
@@ -17,19 +18,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 PROBE = textwrap.dedent(
     """
     import json
+    import time
 
     import ray
     import psutil  # Ray's own copy (ray/thirdparty_files, on sys.path once ray is imported)
     from relay.runtime import cluster
 
-    cluster.connect(num_cpus=1)
+    cluster.connect(num_cpus=2)
+    time.sleep(1)  # Ray starts the workers it prestarts as the driver connects
     # The dashboard's modules run as processes named ray-dashboard-<Module>, under the head
-    # processes this driver started.
-    ours = psutil.Process().children(recursive=True)
-    modules = [p for p in ours if p.cmdline()[:1] and "ray-dashboard-" in p.cmdline()[0]]
+    # processes this driver started; idle workers are named ray::IDLE.
+    ours = [p.cmdline()[:1] for p in psutil.Process().children(recursive=True)]
+    modules = [c for c in ours if c and "ray-dashboard-" in c[0]]
+    idle = [c for c in ours if c and c[0].startswith("ray::IDLE")]
     url = ray._private.worker.get_dashboard_url()
     trained = ray.get(ray.remote(num_cpus=1)(lambda: "ran").remote())  # the cluster works
-    print(json.dumps({"url": url, "modules": len(modules), "task": trained}))
+    print(json.dumps({"url": url, "modules": len(modules), "idle": len(idle), "task": trained}))
     """
 )
 
@@ -51,6 +55,9 @@ def test_a_cluster_relay_starts_runs_the_dashboard_only_when_asked(asked, dashbo
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["task"] == "ran"
+    # No worker started before there was work for it (cluster.PRESTART_SWITCH): with Ray's
+    # default, 2 prestarted ones idle here.
+    assert seen["idle"] == 0, seen
     if dashboard:
         assert seen["url"] and seen["modules"] > 0, seen
     else:
