@@ -45,9 +45,9 @@ PRESTART_SWITCH = {"RAY_prestart_worker_first_driver": "0"}
 # What a relay run does not use, switched off (`connect` sets each unless the environment
 # already does: a user's own value wins). Each costs start-up or background CPU on every
 # Train run; none is what fault tolerance rests on — health checks, failure handling and the
-# worker group's restart, checkpoint bookkeeping, the placement-group cleaner stay as Ray has
-# them. Read from Ray 2.60's source (ray/train/v2/_internal/...); what each costs is measured by
-# bench/startup.py.
+# worker group's restart, checkpoint bookkeeping stay as Ray has them (the placement-group
+# cleaner too, where a dashboard lets it work: ray_private.torch_trainer). Read from Ray 2.60's
+# source (ray/train/v2/_internal/...); what each costs is measured by bench/startup.py.
 RUN_SWITCHES = {
     # PreemptionCallback (callbacks/preemption_callback.py) starts a PreemptionWatcher actor —
     # one more process — for every worker group, polling the GCS for draining nodes every 5 s,
