@@ -16,7 +16,7 @@ import relay
 from relay.checkpoints import checkpoint
 from relay.config import from_dict
 from relay.records import history, registry
-from relay.runtime import ray_private
+from relay.runtime import cluster, ray_private
 from relay.tasks import BUILTIN, build_task
 from relay.training.driver import WorkersNotPlaced
 
@@ -73,6 +73,7 @@ def test_builtin_task_trains_with_two_ddp_workers(ray_cluster, relay_home, name)
 def test_checkpoint_retention_keeps_the_best(ray_cluster, relay_home):
     cfg = debug_config("digits", epochs=4, checkpoint={"every": 1, "keep": 2})
     before = ray_private.alive_actor_ids("TrainController")
+    cleaners = set(ray_private.actors_of_class("PlacementGroupCleaner"))  # bare TorchTrainers'
     result = relay.train(cfg, out=None)
     kept = sorted(p.name for p in Path(result.run_dir).glob("epoch_*"))
     assert len(kept) == 2, kept
@@ -85,8 +86,8 @@ def test_checkpoint_retention_keeps_the_best(ray_cluster, relay_home):
     # cluster without a dashboard, as this one is (ray_private.torch_trainer).
     assert ray_private.actors_of_class("TrainController")
     assert not ray_private.actors_of_class("PreemptionWatcher")
-    assert not ray_private.state_api_served()
-    assert not ray_private.actors_of_class("PlacementGroupCleaner")
+    assert not cluster.state_api_served()
+    assert set(ray_private.actors_of_class("PlacementGroupCleaner")) == cleaners
 
     # The run's controller ended with it: Ray's Ctrl-C handler, which holds its handle, is gone.
     deadline = time.monotonic() + 30
@@ -103,6 +104,7 @@ def test_a_run_whose_controller_dies_leaves_no_placement_group_behind(ray_cluste
     without relay's release, the group stayed.)"""
     cfg = debug_config("digits", name="controller-dies", epochs=500, scaling={"num_workers": 1})
     before = ray_private.alive_actor_ids("TrainController")
+    groups_before = set(ray.util.placement_group_table())
     killed: list[int] = []
 
     def kill_the_controller_once_it_trains() -> None:
@@ -127,7 +129,8 @@ def test_a_run_whose_controller_dies_leaves_no_placement_group_behind(ray_cluste
         relay.train(cfg, out=None)
     killer.join(timeout=10)
     assert killed, "the run ended before its controller could be killed"
-    left = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+    groups = ray.util.placement_group_table()
+    left = [g for id_, g in groups.items() if id_ not in groups_before and g["state"] != "REMOVED"]
     assert left == [], left
     (run,) = [
         r for r in registry.list_runs(relay_home) if r["run_id"].startswith("controller-dies-")

@@ -104,6 +104,12 @@ TELEMETRY_OFF = {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "tr
 # nothing to ask, and Ray sends no usage report (its dashboard sends it).
 DASHBOARD_ENV = "RELAY_RAY_DASHBOARD"
 
+# Set (to "1") in the environment of a cluster started here without the dashboard, which its
+# raylet hands to every process of it: there Ray's State API (`ray list`, ray.util.state),
+# which the dashboard serves, answers nobody (Ray still runs a dashboard process for its usage
+# report, so its address alone does not say). Read by `state_api_served`.
+NO_STATE_API_ENV = "RELAY_CLUSTER_WITHOUT_STATE_API"
+
 # How long one start of a worker group waits for its placement group, read by the Train
 # controller, which Ray hands it from the caller of fit() (ENV_VARS_TO_PROPAGATE). A start that
 # waits longer fails as a controller failure, retried up to FailureConfig's
@@ -160,6 +166,13 @@ def run_ends_with_fit() -> Iterator[None]:
     finally:
         if before is not None:  # None: a handler not installed from Python, left as it is
             signal.signal(signal.SIGINT, before)
+
+
+def state_api_served() -> bool:
+    """Whether Ray's State API may answer on the cluster this process is on: not on one relay
+    started without the dashboard (NO_STATE_API_ENV, set there for every process of it); on any
+    other, as its own `ray start` chose (a `ray start --head` runs the dashboard by default)."""
+    return os.environ.get(NO_STATE_API_ENV) != "1"
 
 
 def set_missing(env: dict[str, str]) -> dict[str, str]:
@@ -228,6 +241,10 @@ def connect(
         if dashboard is None:
             dashboard = os.environ.get(DASHBOARD_ENV) == "1"
         options["include_dashboard"] = dashboard
+        if dashboard:
+            os.environ.pop(NO_STATE_API_ENV, None)
+        else:
+            os.environ[NO_STATE_API_ENV] = "1"
     elif switches:
         # An existing cluster's processes do not inherit this environment: the switches go
         # in the job's runtime_env, which Ray merges with a `ray job submit` one (only keys

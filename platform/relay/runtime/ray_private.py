@@ -41,6 +41,7 @@ PRIVATE_NAMES = {
     ],
     "ray.train.v2._internal.exceptions": ["WorkerGroupStartupTimeoutError"],
     "ray.train.v2._internal.callbacks.datasets": ["DatasetsCallback"],
+    "ray.train.v2._internal.callbacks.placement_group_callback": ["PlacementGroupCleanerCallback"],
     "ray.train.v2._internal.execution.failure_handling.default": ["DefaultFailurePolicy"],
     "ray.train.v2._internal.execution.failure_handling.failure_policy": ["FailureDecision"],
     "ray.train.v2._internal.execution.checkpoint.checkpoint_manager": ["CheckpointManager"],
@@ -175,13 +176,6 @@ def _dead(actor_id: bytes) -> bool:
     return bool(info) and info.get("State") == "DEAD"
 
 
-def state_api_served() -> bool:
-    """Whether the cluster this process joined runs Ray's dashboard, which serves the State
-    API (`ray list`, ray.util.state): a `ray start --head` cluster by default, a cluster relay
-    starts only when asked (cluster.DASHBOARD_ENV)."""
-    return bool(ray._private.worker.get_dashboard_url())
-
-
 def release_orphaned_placement_groups() -> list[str]:
     """Remove placement groups whose creating actor is dead; returns their ids (hex).
 
@@ -283,8 +277,13 @@ def with_serve_version(deployment, version: str):
     return deployment.options(version=version, _internal=True)
 
 
-def torch_trainer(*, out_of_memory_ends: tuple[str, int] | None = None, **kwargs: Any):
-    """Ray Train's TorchTrainer over `kwargs`, with two changes that Ray 2.60 offers no public
+def torch_trainer(
+    *,
+    out_of_memory_ends: tuple[str, int] | None = None,
+    placement_group_cleaner: bool = True,
+    **kwargs: Any,
+):
+    """Ray Train's TorchTrainer over `kwargs`, with three changes that Ray 2.60 offers no public
     way to make (its trainer builds its controller's callbacks and failure policy itself; the
     subclass below replaces the two private methods that do it):
 
@@ -293,22 +292,27 @@ def torch_trainer(*, out_of_memory_ends: tuple[str, int] | None = None, **kwargs
       even when `datasets` is empty, beside the workers' own start-up on the same cores. relay's
       in-memory ingest hands the workers object references instead
       (relay/training/data/ingest.py); a run with Ray Data ingest keeps the callback as Ray has it.
-    - On a cluster without Ray's dashboard (the clusters relay starts: cluster.DASHBOARD_ENV) a
-      run starts no PlacementGroupCleaner. Ray's PlacementGroupCleanerCallback starts that
-      detached actor for every run, to remove the worker group's placement group should the
-      controller die; it learns of the death from the State API, which the dashboard serves.
-      Without one every look fails (ServerUnavailable) and the cleaner looks again each second,
-      forever: it can never clean, costs a process importing Ray Train (2.2-2.7 CPU-s a run on
-      2 cores, 2026-12-07) that the worker group's start waits for, and outlives a controller
-      that died. relay's driver releases what such a death orphans itself
+    - Without `placement_group_cleaner` a run starts no PlacementGroupCleaner (relay's driver
+      asks for none on a cluster relay started without Ray's dashboard:
+      cluster.state_api_served). Ray's PlacementGroupCleanerCallback starts that detached actor
+      for every run, to remove the worker group's placement group should the controller die;
+      it learns of the death from the State API, which the dashboard serves. Without one every
+      look fails (ServerUnavailable) and the cleaner looks again each second, forever: it can
+      never clean, costs a process importing Ray Train (2.2-2.7 CPU-s a run on 2 cores,
+      2026-12-07) that the worker group's start waits for, and outlives a controller that
+      died. relay's driver releases what such a death orphans itself
       (`release_orphaned_placement_groups` after a failed fit(), `reclaiming_orphans` around a
-      sweep). Where a dashboard runs, the cleaner stays.
+      sweep).
     - With `out_of_memory_ends` (run id, ranks) a worker group that ran out of memory under
       `scaling.memory_per_worker` ends the run at once instead of restarting up to
       `failure.max_failures` times: the same model on the same ranks meets the same wall on
       every try. Any other failure (a killed worker, a lost node) restarts as before. Ray
       Train takes no failure policy from its users (FailureConfig holds only counts)."""
-    return _relay_torch_trainer()(out_of_memory_ends=out_of_memory_ends, **kwargs)
+    return _relay_torch_trainer()(
+        out_of_memory_ends=out_of_memory_ends,
+        placement_group_cleaner=placement_group_cleaner,
+        **kwargs,
+    )
 
 
 @functools.cache
@@ -322,13 +326,20 @@ def _relay_torch_trainer() -> type:
     )
 
     class RelayTorchTrainer(TorchTrainer):
-        def __init__(self, *, out_of_memory_ends: tuple[str, int] | None, **kwargs: Any):
+        def __init__(
+            self,
+            *,
+            out_of_memory_ends: tuple[str, int] | None,
+            placement_group_cleaner: bool,
+            **kwargs: Any,
+        ):
             self._out_of_memory_ends = out_of_memory_ends
+            self._placement_group_cleaner = placement_group_cleaner
             super().__init__(**kwargs)
 
         def _create_default_callbacks(self) -> list:
             dropped = () if self.datasets else (DatasetsCallback,)
-            if not state_api_served():
+            if not self._placement_group_cleaner:
                 dropped += (PlacementGroupCleanerCallback,)
             return [c for c in super()._create_default_callbacks() if not isinstance(c, dropped)]
 

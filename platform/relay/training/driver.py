@@ -121,6 +121,9 @@ def build_trainer(
     return ray_private.torch_trainer(
         # Out of memory at the limit: the same wall on every restart, so the run ends at once.
         out_of_memory_ends=(run_id, cfg.scaling.max_workers) if limited else None,
+        # Ray's cleaner watches the controller through the State API; where none answers it
+        # never cleans, and this driver releases what a dead controller leaves (`_run`).
+        placement_group_cleaner=cluster.state_api_served(),
         train_loop_per_worker=train_loop_per_worker,
         train_loop_config=config,
         scaling_config=scaling,
