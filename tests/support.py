@@ -31,6 +31,16 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def files_holding(text: str, *roots: Path) -> list[str]:
+    """Every file under `roots` whose bytes contain `text`."""
+    return [
+        str(path)
+        for root in roots
+        for path in root.rglob("*")
+        if path.is_file() and text.encode() in path.read_bytes()
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -16,6 +16,7 @@ import yaml
 from support import (
     BIN,
     REPO,
+    files_holding,
     mlflow_client,
     mlflow_server,
     pixels_of,
@@ -30,11 +31,11 @@ from relay.records import history, registry
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def relay(*args: str, storage, check: bool = True) -> subprocess.CompletedProcess:
+def relay(*args: str, storage, check: bool = True, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(BIN / "relay"), *args],
         cwd=REPO,
-        env=subprocess_env(RELAY_HOME=str(storage)),
+        env=subprocess_env(RELAY_HOME=str(storage), **env),
         capture_output=True,
         text=True,
         timeout=240,
@@ -43,20 +44,34 @@ def relay(*args: str, storage, check: bool = True) -> subprocess.CompletedProces
 
 
 @pytest.fixture(scope="module")
-def mlflow(tmp_path_factory):
+def mlflow_store(tmp_path_factory) -> Path:
+    """Where the module's MLflow server keeps everything (its database, artifacts, log)."""
+    return tmp_path_factory.mktemp("mlflow")
+
+
+@pytest.fixture(scope="module")
+def mlflow(mlflow_store):
     """A real MLflow server for this module's runs: (URI, its process). The last test of the
     module stops it."""
-    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as server:
+    with mlflow_server(mlflow_store) as server:
         yield server
 
 
-def test_train_json_runs_and_show(tmp_path, mlflow):
+# A password the tracked run below is given the way relay's refusal of a URI holding one says
+# (test_secrets.py): in MLflow's environment variables. This server asks for none; the run's
+# files, the server's store and every line printed must still not hold it.
+SECRET = "s3cr3t-XYZ-77"
+
+
+def test_train_json_runs_and_show(tmp_path, mlflow, mlflow_store):
     uri, _ = mlflow
     out = relay(
         "train", "examples/sine.yaml", "--set", "size=debug", "--set", "epochs=3", "--json",
         "--set", "tracking.tensorboard=true", "--set", f"tracking.mlflow.uri={uri}",
         "--set", "tracking.mlflow.experiment=cli-train", storage=tmp_path,
+        MLFLOW_TRACKING_USERNAME="admin", MLFLOW_TRACKING_PASSWORD=SECRET,
     )  # fmt: skip
+    assert SECRET not in out.stdout + out.stderr
     lines = out.stdout.strip().splitlines()
     # Quiet by default: a header, one line per epoch, the efficiency report, where the model
     # is, where MLflow shows the run, the JSON line.
@@ -118,6 +133,10 @@ def test_train_json_runs_and_show(tmp_path, mlflow):
 
     missing = relay("runs", "show", "nope", storage=tmp_path, check=False)
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
+
+    # The password is in none of the files the run, the commands above and the MLflow server
+    # wrote (the report page is written by now: `report:` above).
+    assert files_holding(SECRET, tmp_path, mlflow_store) == []
 
     # Last, so that a machine without a browser (a skip outside CI) still ran every check above.
     _check_report_page(Path(lines[-2].removeprefix("report: ")), result, tmp_path)

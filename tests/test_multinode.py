@@ -25,8 +25,11 @@ from relay.tasks import build_task
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_nodes(relay_home):
+    """The simulated cluster, shared by this module's tests: a test that removes a worker node
+    puts a replacement (if any) in its place in the list, so the next test finds the list's
+    nodes alive (the elastic test, last, ends with one)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -110,9 +113,9 @@ def _lost_node_run(two_nodes, relay_home, cfg, run_id, *, replace: bool):
     thread, outcome = _train_in_thread(cfg, run_id)
     _wait_for_checkpoint(relay_home / "runs" / run_id, 2, thread)
     removed_at = time.time()
-    cluster.remove_node(workers[1])
+    cluster.remove_node(workers.pop())
     if replace:
-        cluster.add_node(num_cpus=1)
+        workers.append(cluster.add_node(num_cpus=1))
     return _finish(thread, outcome), removed_at
 
 
