@@ -1,4 +1,5 @@
-"""Sweeps: Ray Tune + ASHA over the same train loop, each trial its own TorchTrainer."""
+"""Sweeps: Ray Tune + ASHA over the same train loop, each trial trained in its Tune trial actor
+(one worker) or by a TorchTrainer of its own."""
 
 from __future__ import annotations
 
