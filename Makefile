@@ -9,17 +9,23 @@ venv: $(VENV)/.installed
 
 # Re-install when the project's dependencies change. pip installs torch first: it alone takes
 # the pinned CPU build from the machine's wheel directory (uv would download a multi-GB CUDA
-# build). uv installs the rest, in parallel: a fresh venv took 68 s instead of pip's 184 s on a
-# 2-core Intel Xeon (2026-12-07, uv's cache empty). Without uv (no index reachable), pip does it all.
+# build). uv installs the rest, in parallel: a fresh venv took 93 s instead of pip's 184 s on a
+# 2-core Intel Xeon (2026-12-07). Without uv (no index reachable), pip does it all.
+# Everything the KubeRay image installs is held at the versions it pins (CONSTRAINTS), so the
+# tests run against what ships, and a new release on PyPI changes neither (python-dateutil
+# 4.0.0 brought tzdata into a fresh resolution on 2026-12-07).
 TORCH_PIN := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
+CONSTRAINTS := deploy/kuberay/image-constraints.txt
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check '$(TORCH_PIN)'
 	if $(BIN)/python -m pip install --quiet --disable-pip-version-check uv==0.13.10; then \
-		$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -e '.[dev]'; \
+		$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode \
+			--constraint $(CONSTRAINTS) -e '.[dev]'; \
 	else \
-		$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'; \
+		$(BIN)/python -m pip install --quiet --disable-pip-version-check \
+			--constraint $(CONSTRAINTS) -e '.[dev]'; \
 	fi
 	touch $@
 

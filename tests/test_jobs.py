@@ -56,16 +56,23 @@ def head_node():
 
 
 def submit_train(head_node, config: str, storage: Path, *extra: str) -> subprocess.CompletedProcess:
-    """`ray job submit --working-dir . -- python jobs/train.py CONFIG` (debug size, 2 epochs)."""
+    """`ray job submit --working-dir . -- python jobs/train.py CONFIG` (debug size, 2 epochs).
+
+    The head answers `ray job list` before its job agent is up; a submit then waits 10 s for
+    the agent and fails with Ray's "No available agent to submit job, please try again later"
+    (seen in CI on a loaded machine), having submitted nothing. So that answer is retried."""
     address, env = head_node
-    submit = subprocess.run(
-        [
-            str(BIN / "ray"), "job", "submit", f"--address={address}", "--working-dir", ".",
-            "--", "python", "jobs/train.py", config,
-            "--set", "size=debug", "--set", "epochs=2", "--set", f"storage={storage}", *extra,
-        ],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    for _ in range(6):
+        submit = subprocess.run(
+            [
+                str(BIN / "ray"), "job", "submit", f"--address={address}", "--working-dir", ".",
+                "--", "python", "jobs/train.py", config,
+                "--set", "size=debug", "--set", "epochs=2", "--set", f"storage={storage}", *extra,
+            ],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        if "No available agent to submit job" not in submit.stderr:
+            break
     assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
     return submit
 
