@@ -97,6 +97,10 @@ def test_train_epochs_alone_sets_the_length_of_a_sweep_trial():
         (["parallel.strategy=fsdp", "parallel.mixed_precision=fp16"], "parallel.mixed_precision"),
         (["parallel.compile=maybe"], "parallel.compile"),
         (["parallel.sharding=2"], "parallel.sharding"),
+        (["max_steps=0"], "max_steps"),
+        (["checkpoint.every_steps=0"], "checkpoint.every_steps"),
+        # Where a stream of files stands mid-epoch is not recorded: no step clock over it.
+        (["checkpoint.every_steps=5", "data.cache=false"], "checkpoint.every_steps"),
     ],
 )
 def test_bad_values_name_the_field(overrides, field):
@@ -222,3 +226,11 @@ def test_tpe_without_optuna_fails_with_the_install_line(tmp_path):
         assert result["code"] == 2, result
         assert line in result["stderr"] and "Traceback" not in result["stderr"], result
     assert new["ray"] is False
+
+
+@pytest.mark.parametrize("field", ["train.max_steps=50", "train.checkpoint.every_steps=5"])
+def test_sweeps_refuse_step_clocks(field):
+    # A sweep's rungs and PBT intervals count epochs.
+    with pytest.raises(ConfigError) as info:
+        config.load_sweep(SWEEP, [field])
+    assert str(info.value).startswith(f"{field.split('=')[0]}: sweeps count epochs"), info.value

@@ -195,6 +195,15 @@ class ParallelConfig(Section):
 
 class CheckpointConfig(Section):
     every: int = Field(1, ge=1, description="Checkpoint every N epochs (the last epoch always).")
+    every_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Also checkpoint every N optimizer steps of the run, mid-epoch included, "
+        "so a lost worker costs at most N steps: the run resumes at the step after the "
+        "checkpoint, and its epoch goes on with exactly the samples it had not yet trained "
+        "(same worker count; the task's own data in memory). `keep` then counts the latest "
+        "checkpoints, not the best: mid-epoch ones have no validation metric. null: epochs only.",
+    )
     keep: int | None = Field(2, ge=1, description="Checkpoints kept (best by `metric`); null: all.")
     metric: str | None = Field(
         None, description="Metric that ranks checkpoints; null: the task's metric."
@@ -415,7 +424,14 @@ class RunConfig(Section):
     model: dict[str, Any] = Field(
         default_factory=dict, description="Overrides of the size preset's model fields."
     )
-    epochs: int = Field(10, ge=1, description="Training epochs.")
+    epochs: int = Field(10, ge=1, description="Training epochs (unless `max_steps` is set).")
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        description="The run's length in optimizer steps instead of epochs: it trains epoch "
+        "after epoch until this many steps, the last epoch ending where the budget does "
+        "(validated and checkpointed there); the LR schedule spans these steps. null: `epochs`.",
+    )
     batch_size: int = Field(64, ge=1, description="Samples per batch, per worker.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="LR schedule.")
@@ -463,6 +479,15 @@ class RunConfig(Section):
             self.checkpoint.metric = task_cls.metric
         if self.checkpoint.mode is None:
             self.checkpoint.mode = task_cls.mode
+        if self.checkpoint.every_steps is not None and (
+            self.data.from_files or not self.data.caches
+        ):
+            # Where a stream of files stands mid-epoch is not recorded yet: its resume would
+            # retrain or skip samples.
+            raise ValueError(
+                "checkpoint.every_steps: mid-epoch resume needs the task's own data held in "
+                "memory (no data.format, data.cache not false)"
+            )
         if self.checkpoint.format == "sharded" and self.parallel.strategy == "zero1":
             # ZeroRedundancyOptimizer's state is not a torch.distributed.checkpoint state dict.
             raise ValueError(

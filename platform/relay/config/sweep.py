@@ -187,6 +187,13 @@ class SweepConfig(BaseModel):
             self.train.scaling.num_workers = self.workers_per_trial
         self.metric = self.metric or self.train.checkpoint.metric
         self.mode = self.mode or self.train.checkpoint.mode
+        # A sweep's clocks (ASHA rungs, PBT intervals, Tune's iterations) count epochs.
+        for field, value in (
+            ("train.max_steps", self.train.max_steps),
+            ("train.checkpoint.every_steps", self.train.checkpoint.every_steps),
+        ):
+            if value is not None:
+                raise ValueError(f"{field}: sweeps count epochs; set train.epochs instead")
         # `train.epochs` alone sets how long a trial may train (ASHA decides how many of those
         # epochs each trial gets): a `--set train.epochs=N` must never be silently outvoted.
         epochs = self.train.epochs

@@ -11,7 +11,7 @@ from typing import Any, TextIO
 from relay.records import history
 from relay.runtime import background
 
-_SKIP = {"epoch", "samples_per_s", "input_wait_share", "epoch_s", "lr", "time"}
+_SKIP = {"epoch", "step", "samples_per_s", "input_wait_share", "epoch_s", "lr", "time"}
 
 
 def human_bytes(n: float) -> str:
@@ -29,9 +29,13 @@ def _number(value: Any) -> str:
     return str(value)
 
 
-def epoch_line(metrics: dict[str, Any], epochs: int) -> str:
-    width = len(str(epochs))
-    parts = [f"epoch {metrics['epoch']:>{width}}/{epochs}"]
+def epoch_line(metrics: dict[str, Any], epochs: int, max_steps: int | None = None) -> str:
+    """An epoch's line; a run whose length is `max_steps` counts its steps instead of epochs."""
+    if max_steps is None:
+        parts = [f"epoch {metrics['epoch']:>{len(str(epochs))}}/{epochs}"]
+    else:
+        steps = metrics.get("step", "?")
+        parts = [f"epoch {metrics['epoch']}", f"step {steps:>{len(str(max_steps))}}/{max_steps}"]
     parts += [f"{k} {_number(v)}" for k, v in metrics.items() if k not in _SKIP]
     parts.append(f"{metrics.get('samples_per_s', 0):,.0f} samples/s")
     if "input_wait_share" in metrics:  # histories written before it was measured lack it
@@ -46,6 +50,7 @@ def follow(
     epochs: int,
     out: TextIO | None = sys.stdout,
     also: Callable[[], None] | None = None,
+    max_steps: int | None = None,
 ) -> Iterator[None]:
     """Print each epoch of `run_dir`'s history as rank 0 appends it, until the block ends;
     `also` is called beside (e.g. to tell what a tracker could not write)."""
@@ -60,7 +65,7 @@ def follow(
             also()
         records = history.read_raw(run_dir)
         for record in records[printed:]:
-            out.write(epoch_line(record, epochs) + "\n")
+            out.write(epoch_line(record, epochs, max_steps) + "\n")
             out.flush()
         printed = len(records)
 

@@ -74,9 +74,11 @@ def checkpoint_config(cfg: RunConfig):
     """Which of a run's checkpoints are kept (Ray Train's CheckpointConfig)."""
     import ray.train
 
+    # Mid-epoch checkpoints (the step clock) carry no validation metric: the latest are kept.
+    ranked = cfg.checkpoint.every_steps is None
     return ray.train.CheckpointConfig(
         num_to_keep=cfg.checkpoint.keep,
-        checkpoint_score_attribute=cfg.checkpoint.metric,
+        checkpoint_score_attribute=cfg.checkpoint.metric if ranked else None,
         checkpoint_score_order=cfg.checkpoint.mode,
     )
 
@@ -311,7 +313,7 @@ def _run(cfg: RunConfig, opened: _OpenRun, trainer: Any, out: TextIO | None, tim
             # First: `wait_s` is bound whatever fails after it.
             cluster.worker_wait(cfg.failure.worker_wait_s) as wait_s,
             cluster.run_ends_with_fit(),
-            console.follow(run_dir, cfg.epochs, out, also=opened.tracked.announce),
+            console.follow(run_dir, cfg.epochs, out, opened.tracked.announce, cfg.max_steps),
             doctor.watching(cfg.doctor, run_dir, out),
         ):
             times["fit_called"] = time.time()

@@ -13,7 +13,7 @@ import itertools
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -50,11 +50,26 @@ def steps_per_epoch(train_rows: int, world: int, batch_size: int, grad_accum: in
     return math.ceil(micro_batches / grad_accum)
 
 
+def run_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
+    """Optimizer steps the whole run takes: `max_steps`, else its epochs' steps."""
+    return cfg.max_steps or steps_per_epoch * cfg.epochs
+
+
+def run_epochs(cfg: RunConfig, steps_per_epoch: int) -> int:
+    """Epochs the run trains in (with `max_steps`, the last may end mid-epoch)."""
+    return math.ceil(cfg.max_steps / max(1, steps_per_epoch)) if cfg.max_steps else cfg.epochs
+
+
 def build_scheduler(
-    cfg: ScheduleConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int, epochs: int
+    cfg: ScheduleConfig,
+    optimizer: torch.optim.Optimizer,
+    steps_per_epoch: int,
+    epochs: int,
+    total_steps: int | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A per-step multiplier of the peak lr: linear warm-up, then constant/cosine/linear decay."""
-    total = max(1, steps_per_epoch * epochs)
+    """A per-step multiplier of the peak lr: linear warm-up, then constant/cosine/linear decay
+    over `total_steps` (default: `epochs` of `steps_per_epoch`)."""
+    total = max(1, total_steps or steps_per_epoch * epochs)
     warmup = round(cfg.warmup_epochs * steps_per_epoch)
 
     def factor(step: int) -> float:
@@ -146,12 +161,15 @@ class Epochs:
         # Per training pass of this process: samples, throughput units, seconds, steps.
         self.passes: list[dict[str, float]] = []
 
-    def epoch(self, number: int, train: Iterable[Batch], val: Iterable[Batch]) -> dict[str, Any]:
-        """A training pass and a validation pass: the epoch's metrics as relay reports them.
-        `samples_per_s` is global training samples over this rank's training-pass seconds."""
+    def epoch(
+        self, number: int, train: Iterable[Batch], val: Iterable[Batch], **pass_options
+    ) -> dict[str, Any]:
+        """A training pass (`pass_options`: `train`'s) and a validation pass: the epoch's
+        metrics as relay reports them. `samples_per_s` is global training samples over this
+        rank's training-pass seconds."""
         started = time.perf_counter()
         self.heartbeat.phase("train", number)
-        trained = self.train(train)
+        trained = self.train(train, **pass_options)
         self.heartbeat.phase("val", number)
         validated = self.evaluate(val)
         summarize = self.task.summarize
@@ -169,17 +187,29 @@ class Epochs:
             "workers": parallel.world_size(),
         }
 
-    def train(self, batches: Iterable[Batch]) -> dict[str, float]:
-        """One training pass. Statistics stay on the device and are summed across ranks once
-        at the end, so the hot path never waits on a host sync or a collective of its own.
-        The pass's clock stops before that sum: it times the steps, not the statistics."""
+    def train(
+        self,
+        batches: Iterable[Batch],
+        *,
+        max_steps: int | None = None,
+        after_step: Callable[[int], None] | None = None,
+    ) -> dict[str, float]:
+        """One training pass: all of `batches`, or its first `max_steps` optimizer steps.
+        `after_step(steps)` runs after each step (every rank, the same steps: a mid-epoch
+        checkpoint may be a collective); its time is not the pass's.
+
+        Statistics stay on the device and are summed across ranks once at the end, so the hot
+        path never waits on a host sync or a collective of its own. The pass's clock stops
+        before that sum: it times the steps, not the statistics."""
         engine = self.engine
         engine.model.train()
         sums: Batch = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
         started = time.perf_counter()
         steps = 0
+        outside = 0.0  # seconds spent in after_step
         waiting = _InputClock(batches)
-        for group in _micro_batch_groups(waiting, self.cfg.parallel.grad_accum):
+        groups = _micro_batch_groups(waiting, self.cfg.parallel.grad_accum)
+        for group in itertools.islice(groups, max_steps):
             engine.zero_grad()
             for i, batch in enumerate(group):
                 # Gradients are synchronised once per optimizer step, on its last micro-batch.
@@ -193,8 +223,12 @@ class Epochs:
             self.heartbeat.step()
             if self.first_step_at is None:
                 self.first_step_at = time.time()
+            if after_step is not None:
+                paused = time.perf_counter()
+                after_step(steps)
+                outside += time.perf_counter() - paused
         parallel.synchronize()
-        elapsed = time.perf_counter() - started
+        elapsed = time.perf_counter() - started - outside
         sums["input_wait_s"] = torch.tensor(waiting.seconds, dtype=torch.float64)
         totals = parallel.sum_across_ranks(sums)
         self.passes.append(

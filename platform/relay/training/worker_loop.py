@@ -13,6 +13,8 @@ the problem-specific parts (model, data, loss, metrics) in the task.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import shutil
 import tempfile
 import time
@@ -38,6 +40,8 @@ from relay.training.epochs import (
     build_scheduler,
     fast_forward,
     optimizer_spec,
+    run_epochs,
+    run_steps,
     steps_per_epoch,
 )
 
@@ -71,7 +75,7 @@ def _build_engine(
     model: nn.Module, cfg: RunConfig, directory: Path | None
 ) -> tuple[parallel.Engine, int, Any]:
     """The model wrapped for the configured strategy, with the state of the checkpoint at
-    `directory` (if any) loaded; returns (engine, next epoch, train state).
+    `directory` (if any) loaded; returns (engine, the checkpoint's meta or None, train state).
 
     Whole weights load into the plain model before the strategy wraps or shards it; shards
     load after, each rank reading only what it now holds (resharded from whatever worker count
@@ -81,11 +85,10 @@ def _build_engine(
         checkpoint.load_weights(directory, model)
     engine = parallel.Engine(model, cfg.parallel, *optimizer_spec(cfg.optim))
     if directory is None:
-        return engine, 1, None
+        return engine, None, None
     if sharded:
         engine.load_sharded(directory / checkpoint.SHARDS)  # a collective
-    epoch = checkpoint.read_meta(directory)["epoch"]
-    return engine, epoch + 1, checkpoint.load_train_state(directory)
+    return engine, checkpoint.read_meta(directory), checkpoint.load_train_state(directory)
 
 
 def _start_checkpoint(
@@ -154,7 +157,8 @@ def _train_from_start(loop_config, host, cfg: RunConfig, beat, confined, loop_st
     # Before any rank can checkpoint again (the engine's set-up is a collective).
     _remove_orphaned_staging(run_dir)
     beat.phase("model")
-    engine, scheduler, start_epoch = _restore(task, cfg, loop_config, host)
+    start = _restore(task, cfg, loop_config, host)
+    engine, scheduler, start_epoch = start.engine, start.scheduler, start.epoch
     startup_peak = parallel.peak_since_reset()  # model built, its state loaded; nothing trained
 
     beat.phase("data")
@@ -165,12 +169,30 @@ def _train_from_start(loop_config, host, cfg: RunConfig, beat, confined, loop_st
     data_ready_at = time.time()
 
     epochs = Epochs(task, engine, scheduler, cfg, beat)
-    for epoch in range(start_epoch, cfg.epochs + 1):
-        following = epoch + 1 if epoch < cfg.epochs else None
+    last_epoch, total_steps = run_epochs(cfg, start.epoch_steps), run_steps(cfg, start.epoch_steps)
+    step = (start_epoch - 1) * start.epoch_steps + start.steps_done  # the run's optimizer steps
+    for epoch in range(start_epoch, last_epoch + 1):
+        following = epoch + 1 if epoch < last_epoch else None
+        done = start.steps_done if epoch == start_epoch else 0  # resumed mid-epoch: skipped
         train = train_data.epoch(epoch, next_epoch=following)
-        metrics = epochs.epoch(epoch, train, val_data.epoch(epoch))
+        # The epoch's batches come in the same seeded order as before the resume.
+        train = itertools.islice(train, done * cfg.parallel.grad_accum, None)
+        checkpoint_mid_epoch = _step_clock(
+            cfg, run_dir, epoch, step - done, start.epoch_steps, engine, scheduler, task, host
+        )
+        budget = min(start.epoch_steps - done, total_steps - step)
+        metrics = epochs.epoch(
+            epoch, train, val_data.epoch(epoch), max_steps=budget, after_step=checkpoint_mid_epoch
+        )
+        step += epochs.passes[-1]["steps"]
+        metrics["step"] = step
         beat.phase("report", epoch)
-        _report(cfg, run_dir, epoch, metrics, engine, scheduler, task, host)
+        due = epoch % cfg.checkpoint.every == 0 or epoch == last_epoch or _on(step, cfg)
+        _report(
+            cfg, run_dir, epoch, metrics, engine, scheduler, task, host, due, epoch == last_epoch
+        )
+        if _on(step, cfg):
+            _reseed(cfg, step)
 
     report = None
     beat.phase("efficiency")
@@ -216,28 +238,103 @@ def _prepare_worker(cfg: RunConfig, run_dir: Path, cpus: float, host: hosts.Loop
     return confined, beat
 
 
-def _restore(task, cfg: RunConfig, loop_config: dict[str, Any], host: hosts.LoopHost):
+@dataclasses.dataclass
+class _Start:
+    """Where this worker group takes up the run."""
+
+    engine: parallel.Engine
+    scheduler: Any
+    epoch: int  # the first epoch to train (in part, when resumed mid-epoch)
+    steps_done: int  # optimizer steps of that epoch its checkpoint had trained
+    epoch_steps: int  # optimizer steps per epoch, at this worker group's size
+
+
+def _restore(task, cfg: RunConfig, loop_config: dict[str, Any], host: hosts.LoopHost) -> _Start:
     """The model, wrapped for the strategy, with its optimizer and LR schedule, from the
-    checkpoint the run starts from (if any); returns (engine, scheduler, first epoch to train)."""
+    checkpoint the run starts from (if any), and where in the run it stands."""
     with _opened(_start_checkpoint(loop_config, host)) as directory:
         model = _build_model(task, cfg, directory)
         torch.manual_seed(cfg.seed)  # dropout's stream, however the model was built
-        engine, start_epoch, train_state = _build_engine(model, cfg, directory)
+        engine, meta, train_state = _build_engine(model, cfg, directory)
 
     # The world size is known only here: an elastic run may restart with fewer workers.
     steps = steps_per_epoch(
         loop_config["train_rows"], parallel.world_size(), cfg.batch_size, cfg.parallel.grad_accum
     )
-    scheduler = build_scheduler(cfg.schedule, engine.optimizer, steps, cfg.epochs)
-    if train_state is not None:
-        if train_state.optimizer is not None:  # a full checkpoint's (a sharded one's is loaded)
-            engine.load_optimizer_state(train_state.optimizer)
-        engine.load_scaler_state(train_state.scaler)
-        _config_hyperparameters_win(engine.optimizer, cfg)
-        # The schedule's position follows from the epoch, not from the saved step count: a run
-        # resumed on another worker count (or grad_accum) has another number of steps per epoch.
-        fast_forward(scheduler, (start_epoch - 1) * steps)
-    return engine, scheduler, start_epoch
+    scheduler = build_scheduler(
+        cfg.schedule, engine.optimizer, steps, cfg.epochs, run_steps(cfg, steps)
+    )
+    if meta is None:
+        return _Start(engine, scheduler, 1, 0, steps)
+    start_epoch, done = meta["epoch"] + 1, _steps_to_skip(meta, cfg, steps)
+    if train_state.optimizer is not None:  # a full checkpoint's (a sharded one's is loaded)
+        engine.load_optimizer_state(train_state.optimizer)
+    engine.load_scaler_state(train_state.scaler)
+    _config_hyperparameters_win(engine.optimizer, cfg)
+    # The schedule's position follows from the epoch, not from the saved step count: a run
+    # resumed on another worker count (or grad_accum) has another number of steps per epoch.
+    fast_forward(scheduler, (start_epoch - 1) * steps + done)
+    if "step" in meta and _on(meta["step"], cfg) and (done or not meta.get("epoch_steps")):
+        _reseed(cfg, meta["step"])  # as the run did when it wrote this checkpoint
+    return _Start(engine, scheduler, start_epoch, done, steps)
+
+
+def _steps_to_skip(meta: dict[str, Any], cfg: RunConfig, epoch_steps: int) -> int:
+    """The steps of its epoch in progress that a mid-epoch checkpoint had trained, if this
+    worker group can skip exactly those samples: the same ranks, batches and steps per epoch
+    cut the epoch's seeded order the same way. Else 0: the epoch trains again from its start
+    (said on rank 0's output)."""
+    done = meta.get("epoch_steps") or 0
+    if not done:
+        return 0
+    saved = meta.get("config") or {}
+    same_cut = (
+        meta.get("workers") == parallel.world_size()
+        and saved.get("batch_size") == cfg.batch_size
+        and (saved.get("parallel") or {}).get("grad_accum") == cfg.parallel.grad_accum
+        and done < epoch_steps
+    )
+    if not same_cut and parallel.is_main():
+        print(
+            f"relay: the checkpoint was taken {done} steps into epoch {meta['epoch'] + 1} by "
+            f"{meta.get('workers')} workers; this worker group cuts the epoch differently, so "
+            "the epoch trains again from its start"
+        )
+    return done if same_cut else 0
+
+
+def _on(step: int, cfg: RunConfig) -> bool:
+    """Whether the run's step clock (`checkpoint.every_steps`) asks for a checkpoint."""
+    every = cfg.checkpoint.every_steps
+    return every is not None and step % every == 0
+
+
+def _step_clock(cfg, run_dir, epoch, steps_before, epoch_steps, engine, scheduler, task, host):
+    """The `after_step` of epoch `epoch`'s training pass (the run had trained `steps_before`
+    steps when the epoch began): a checkpoint on the step clock, where it falls mid-epoch (at
+    the epoch's end, its report carries the checkpoint). None without a step clock."""
+    if cfg.checkpoint.every_steps is None:
+        return None
+
+    def after_step(steps: int) -> None:
+        step = steps_before + steps
+        if not _on(step, cfg) or steps >= epoch_steps or step >= run_steps(cfg, epoch_steps):
+            return
+        # No "epoch" key: trackers and the console log epochs; this is a resume point.
+        metrics = {"step": step, "epoch_in_progress": epoch, "epoch_steps": steps}
+        meta = {"epoch": epoch - 1, "step": step, "epoch_steps": steps}
+        _checkpoint_and_report(
+            cfg, run_dir, metrics, meta, engine, scheduler, task, host, f"step_{step:08d}", False
+        )
+        _reseed(cfg, step)
+
+    return after_step
+
+
+def _reseed(cfg: RunConfig, step: int) -> None:
+    """Restart the random stream (dropout's) at a step-clock checkpoint, from (seed, step):
+    a run resumed there draws what the uninterrupted run drew after it."""
+    torch.manual_seed(cfg.seed * 1_000_003 + step)
 
 
 def _open_batches(loop_config: dict[str, Any], task, cfg: RunConfig, name: str, shuffle: bool):
@@ -268,20 +365,43 @@ def _remove_orphaned_staging(run_dir: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, scheduler, task, host):
-    """Report an epoch; every rank reports (under Ray Train, a collective). Rank 0 appends the
-    epoch to the run's history and writes the checkpoint's meta; the weights and optimizer
-    state come gathered from rank 0 (full) or from every rank in parallel (sharded).
+def _report(
+    cfg: RunConfig, run_dir: Path, epoch, metrics, engine, scheduler, task, host, due, last
+):
+    """Report an epoch, with a checkpoint if one is `due`; every rank reports (under Ray
+    Train, a collective). Rank 0 appends the epoch to the run's history."""
+    if parallel.is_main():
+        history.append(run_dir, metrics)
+    if not due:
+        host.report(metrics)
+        return
+    meta = {"epoch": epoch, "step": metrics["step"]}
+    overlapped = cfg.checkpoint.upload == "async" and not last
+    _checkpoint_and_report(
+        cfg, run_dir, metrics, meta, engine, scheduler, task, host, f"epoch_{epoch:04d}", overlapped
+    )
+
+
+def _checkpoint_and_report(
+    cfg: RunConfig,
+    run_dir: Path,
+    metrics,
+    meta,
+    engine,
+    scheduler,
+    task,
+    host,
+    dir_name,
+    overlapped,
+) -> None:
+    """Report `metrics` with a checkpoint named `dir_name` (its meta.json: `meta` and the run's
+    config). Rank 0 writes the meta; the weights and optimizer state come gathered from rank 0
+    (full) or from every rank in parallel (sharded).
 
     Each rank writes its part to a local staging directory that the host copies to storage
     and then deletes: before training goes on (`checkpoint.upload: sync`) or, under Ray Train,
-    while it does (async). The last epoch's copy is always waited for: nothing is left to
-    overlap it with."""
-    if parallel.is_main():
-        history.append(run_dir, metrics)
-    if not (epoch % cfg.checkpoint.every == 0 or epoch == cfg.epochs):
-        host.report(metrics)
-        return
+    while it does (`overlapped`, for async uploads). The last epoch's copy is always waited
+    for: nothing is left to overlap it with."""
     sharded = cfg.checkpoint.sharded(cfg.parallel.strategy)
     weights, optimizer_state = None, None
     if not sharded:
@@ -289,7 +409,6 @@ def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, schedule
         if not parallel.is_main():
             host.report(metrics)
             return
-    overlapped = cfg.checkpoint.upload == "async" and epoch < cfg.epochs
     staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(run_dir)))
     handed_over = False
     try:
@@ -304,16 +423,14 @@ def _report(cfg: RunConfig, run_dir: Path, epoch: int, metrics, engine, schedule
                 scheduler=scheduler.state_dict(),
                 scaler=engine.scaler_state(),
                 meta={
-                    "epoch": epoch,
+                    **meta,
                     "metrics": metrics,
                     "config": cfg.model_dump(mode="json"),
                     "strategy": cfg.parallel.strategy,
                     "workers": parallel.world_size(),
                 },
             )
-        handed_over = host.report(
-            metrics, staging, dir_name=f"epoch_{epoch:04d}", overlapped=overlapped
-        )
+        handed_over = host.report(metrics, staging, dir_name=dir_name, overlapped=overlapped)
     finally:
         if not handed_over:  # else Ray's copying thread deletes it once the copy is done
             shutil.rmtree(staging, ignore_errors=True)

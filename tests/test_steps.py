@@ -1,0 +1,95 @@
+"""Runs measured in optimizer steps (`max_steps`) with a checkpoint clock in steps
+(`checkpoint.every_steps`): a worker lost mid-epoch costs at most `every_steps` steps, and the
+resumed run goes on from the step after its last checkpoint, with exactly the samples its
+epoch had not trained, to the same result as a run never interrupted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import relay
+from relay.checkpoints import checkpoint
+from relay.config import from_dict
+from relay.records import history
+from relay.tasks import build_task
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+EVERY = 5
+BATCH = 64
+
+
+def step_config(name: str, max_steps: int, **model):
+    return from_dict(
+        {
+            "name": name,
+            "task": "tests.crash_task:CrashTask",
+            "size": "debug",
+            "model": {"dropout": 0.1, **model},  # a random stream the resume must restore
+            "max_steps": max_steps,
+            "batch_size": BATCH,
+            "optim": {"lr": 0.01},
+            "schedule": {"name": "cosine"},
+            "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 1}},
+            "checkpoint": {"every_steps": EVERY, "keep": None},
+        }
+    )
+
+
+def steps_per_epoch() -> int:
+    cfg = step_config("probe", 1)
+    split = build_task(cfg.task, cfg.size, cfg.model).load_data(cfg.data.val_fraction, cfg.seed)
+    return -(-len(split.train["y"]) // BATCH)  # one worker: every row, the last batch short
+
+
+def test_a_step_budget_ends_mid_epoch_and_a_killed_worker_resumes_exactly(
+    ray_cluster, relay_home, tmp_path
+):
+    epoch_steps = steps_per_epoch()
+    # Into epoch 2 and 12 steps of it; the worker dies starting step epoch_steps + 8, after
+    # the step clock's checkpoint in (epoch_steps, epoch_steps + 5]: mid-epoch 2.
+    budget, crash_at = epoch_steps + 12, epoch_steps + 8
+    whole = relay.train(step_config("steps-whole", budget), out=None, register=False)
+    resumed_from = (crash_at - 1) // EVERY * EVERY  # the step clock's last checkpoint before
+    cfg = step_config(
+        "steps-killed",
+        budget,
+        crash_dir=str(tmp_path),
+        crash_at_step=crash_at,
+        crash_run_glob=str(relay_home / "runs" / "steps-killed-*"),
+        crash_after=f"step_{resumed_from:08d}",
+    )
+    killed = relay.train(cfg, out=None, register=False)
+
+    assert (tmp_path / "crashed").exists()
+    run_dir = Path(killed.run_dir)
+    assert len(history.failure_times(run_dir)) == 1
+    # Each epoch reported once, the last where the budget ended, in both runs.
+    for result in (whole, killed):
+        lines = history.read_raw(result.run_dir)
+        assert [(e["epoch"], e["step"]) for e in lines] == [(1, epoch_steps), (2, budget)]
+    # The LR schedule spans the budget: the cosine is at its end.
+    assert killed.history[-1]["lr"] == pytest.approx(0.0, abs=1e-9)
+
+    # The resumed worker took up at the mid-epoch checkpoint: the epoch's pass after the
+    # resume trained only the steps after it (full batches here), not the whole epoch again.
+    assert epoch_steps < resumed_from < crash_at
+    mid = checkpoint.read_meta(run_dir / f"step_{resumed_from:08d}")
+    assert (mid["epoch"], mid["step"], mid["epoch_steps"]) == (
+        1,
+        resumed_from,
+        resumed_from - epoch_steps,
+    )
+    assert killed.history[-1]["train_count"] == (budget - resumed_from) * BATCH
+    assert whole.history[-1]["train_count"] == (budget - epoch_steps) * BATCH
+    # Lost: the steps between that checkpoint and the crash, fewer than the clock's period.
+    assert crash_at - 1 - resumed_from < EVERY
+
+    # Same samples in the same order, the same dropout draws: the same model in the end.
+    for key in ("val_loss", "val_accuracy"):
+        assert killed.metrics[key] == pytest.approx(whole.metrics[key], rel=1e-5), key
+    assert killed.metrics["step"] == whole.metrics["step"] == budget
+    final = checkpoint.read_meta(killed.last_checkpoint)
+    assert (final["epoch"], final["step"]) == (2, budget)
