@@ -228,7 +228,15 @@ def test_tpe_without_optuna_fails_with_the_install_line(tmp_path):
     assert new["ray"] is False
 
 
-@pytest.mark.parametrize("field", ["train.max_steps=50", "train.checkpoint.every_steps=5"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "train.max_steps=50",
+        "train.checkpoint.every_steps=5",
+        "train.validation.every_steps=5",
+        "train.report.every_steps=5",
+    ],
+)
 def test_sweeps_refuse_step_clocks(field):
     # A sweep's rungs and PBT intervals count epochs.
     with pytest.raises(ConfigError) as info:

@@ -17,7 +17,9 @@ from relay.tasks import build_task
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-EVERY = 5
+EVERY = 5  # checkpoint and validation clocks
+REPORT = 4  # the report clock
+VAL_BATCHES = 2
 BATCH = 64
 
 
@@ -34,6 +36,8 @@ def step_config(name: str, max_steps: int, **model):
             "schedule": {"name": "cosine"},
             "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 1}},
             "checkpoint": {"every_steps": EVERY, "keep": None},
+            "validation": {"every_steps": EVERY, "max_batches": VAL_BATCHES},
+            "report": {"every_steps": REPORT},
         }
     )
 
@@ -93,3 +97,31 @@ def test_a_step_budget_ends_mid_epoch_and_a_killed_worker_resumes_exactly(
     assert killed.metrics["step"] == whole.metrics["step"] == budget
     final = checkpoint.read_meta(killed.last_checkpoint)
     assert (final["epoch"], final["step"]) == (2, budget)
+
+    _check_step_reports(whole, epoch_steps, budget)
+
+
+def _check_step_reports(result, epoch_steps: int, budget: int) -> None:
+    """The uninterrupted run's steps.jsonl: a report at each strike of the report or the
+    validation clock between epoch ends, over the steps since the previous report."""
+    reports = history.read_steps(result.run_dir)
+    due = [s for s in range(1, budget) if s % REPORT == 0 or s % EVERY == 0]
+    assert [r["step"] for r in reports] == [s for s in due if s != epoch_steps]
+    previous = 0
+    for report in reports:
+        step = report["step"]
+        assert report["epoch"] == (1 if step < epoch_steps else 2), report
+        since = max(previous, epoch_steps if step > epoch_steps else 0)
+        assert report["train_count"] == (step - since) * BATCH, report  # full batches here
+        previous = step
+        validated = "val_loss" in report
+        assert validated == (step % EVERY == 0), report
+        if validated:  # bounded: VAL_BATCHES batches, not the epoch end's whole split
+            assert report["val_count"] == VAL_BATCHES * BATCH, report
+    assert result.history[0]["val_count"] > VAL_BATCHES * BATCH
+    lrs = [r["lr"] for r in reports]
+    assert lrs == sorted(lrs, reverse=True) and lrs[0] > lrs[-1]  # the cosine over the budget
+    # A mid-epoch checkpoint made where the validation clock struck carries its metrics.
+    meta = checkpoint.read_meta(Path(result.run_dir) / f"step_{EVERY:08d}")
+    (at_five,) = [r for r in reports if r["step"] == EVERY]
+    assert meta["metrics"]["val_loss"] == pytest.approx(at_five["val_loss"])

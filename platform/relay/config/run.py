@@ -231,6 +231,33 @@ class CheckpointConfig(Section):
         return self.format == "sharded" or (self.format == "auto" and strategy == "fsdp")
 
 
+class ValidationConfig(Section):
+    every_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Also validate every N optimizer steps of the run, mid-epoch (the step "
+        "report's `val_*` metrics); every epoch still ends with a full validation. null: at "
+        "epoch ends only.",
+    )
+    max_batches: int | None = Field(
+        None,
+        ge=1,
+        description="Batches per rank a mid-epoch validation reads (bounded, on huge "
+        "validation data); null: all of them.",
+    )
+
+
+class ReportConfig(Section):
+    every_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Also report every N optimizer steps: the training metrics of the steps "
+        "since the last report (and `validation.every_steps`' metrics) as a line of the "
+        "run's steps.jsonl and of the console, with the epoch in progress as a field. "
+        "null: epochs only.",
+    )
+
+
 class FailureConfig(Section):
     max_failures: int = Field(
         2, ge=-1, description="Worker-group restarts from the last checkpoint; -1: unlimited."
@@ -441,6 +468,12 @@ class RunConfig(Section):
     )
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpointing."
+    )
+    validation: ValidationConfig = Field(
+        default_factory=ValidationConfig, description="Validation between epoch ends."
+    )
+    report: ReportConfig = Field(
+        default_factory=ReportConfig, description="Metrics between epoch ends."
     )
     failure: FailureConfig = Field(default_factory=FailureConfig, description="Fault tolerance.")
     doctor: DoctorConfig = Field(

@@ -191,6 +191,8 @@ class SweepConfig(BaseModel):
         for field, value in (
             ("train.max_steps", self.train.max_steps),
             ("train.checkpoint.every_steps", self.train.checkpoint.every_steps),
+            ("train.validation.every_steps", self.train.validation.every_steps),
+            ("train.report.every_steps", self.train.report.every_steps),
         ):
             if value is not None:
                 raise ValueError(f"{field}: sweeps count epochs; set train.epochs instead")

@@ -44,6 +44,15 @@ def epoch_line(metrics: dict[str, Any], epochs: int, max_steps: int | None = Non
     return "  ".join(parts)
 
 
+def step_line(metrics: dict[str, Any], max_steps: int | None = None) -> str:
+    """A step report's line: the epoch in progress, the step, its metrics, its throughput."""
+    budget = f"/{max_steps}" if max_steps else ""
+    parts = [f"  epoch {metrics['epoch']} step {metrics['step']}{budget}"]
+    parts += [f"{k} {_number(v)}" for k, v in metrics.items() if k not in _SKIP]
+    parts.append(f"{metrics.get('samples_per_s', 0):,.0f} samples/s")
+    return "  ".join(parts)
+
+
 @contextmanager
 def follow(
     run_dir: Path,
@@ -57,17 +66,21 @@ def follow(
     if out is None:
         yield
         return
-    printed = 0
+    printed = {"epochs": 0, "steps": 0}
 
     def flush() -> None:
-        nonlocal printed
         if also is not None:
             also()
         records = history.read_raw(run_dir)
-        for record in records[printed:]:
-            out.write(epoch_line(record, epochs, max_steps) + "\n")
-            out.flush()
-        printed = len(records)
+        steps = history.read_steps(run_dir)  # the step clocks' reports (report.every_steps)
+        lines = [
+            (r["time"], epoch_line(r, epochs, max_steps)) for r in records[printed["epochs"] :]
+        ]
+        lines += [(r["time"], step_line(r, max_steps)) for r in steps[printed["steps"] :]]
+        for _, line in sorted(lines):
+            out.write(line + "\n")
+        out.flush()
+        printed.update(epochs=len(records), steps=len(steps))
 
     with background.every(0.2, flush, "relay-progress"):
         yield

@@ -3,6 +3,9 @@
 - `history.jsonl`: per-epoch metrics, appended by rank 0. The driver follows the file to print
   progress; `relay runs show` and the tests read it back. After a restart an epoch may be
   trained again; the last record of an epoch wins.
+- `steps.jsonl`: the step clocks' reports between epoch ends (`report.every_steps`,
+  `validation.every_steps`), appended by rank 0: the training metrics of the steps since the
+  previous report, mid-epoch validation's, the step and the epoch in progress.
 - `worker_failures.jsonl`: when the controller found failed workers (the moment a restarted
   worker group's start-up begins; the efficiency report's start-up is measured off it).
 """
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 FILE = "history.jsonl"
+STEPS = "steps.jsonl"
 FAILURES = "worker_failures.jsonl"
 
 
@@ -44,6 +48,16 @@ def append(run_dir: str | Path, metrics: dict[str, Any]) -> None:
 def read_raw(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every epoch record in order written, restarts included."""
     return _read(Path(run_dir) / FILE)
+
+
+def append_step(run_dir: str | Path, metrics: dict[str, Any]) -> None:
+    """Append a step report (see the module's docstring), stamped with the time it was made."""
+    _append(Path(run_dir) / STEPS, metrics)
+
+
+def read_steps(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every step report in order written, restarts included."""
+    return _read(Path(run_dir) / STEPS)
 
 
 def append_failure(run_dir: str | Path, ranks: list[int]) -> None:

@@ -192,11 +192,12 @@ class Epochs:
         batches: Iterable[Batch],
         *,
         max_steps: int | None = None,
-        after_step: Callable[[int], None] | None = None,
+        after_step: Callable[[int, Batch], None] | None = None,
     ) -> dict[str, float]:
         """One training pass: all of `batches`, or its first `max_steps` optimizer steps.
-        `after_step(steps)` runs after each step (every rank, the same steps: a mid-epoch
-        checkpoint may be a collective); its time is not the pass's.
+        `after_step(steps, sums)` runs after each step with this rank's statistics so far
+        (every rank, at the same steps: a mid-epoch report or checkpoint may be a collective);
+        its time is not the pass's.
 
         Statistics stay on the device and are summed across ranks once at the end, so the hot
         path never waits on a host sync or a collective of its own. The pass's clock stops
@@ -225,7 +226,7 @@ class Epochs:
                 self.first_step_at = time.time()
             if after_step is not None:
                 paused = time.perf_counter()
-                after_step(steps)
+                after_step(steps, sums)
                 outside += time.perf_counter() - paused
         parallel.synchronize()
         elapsed = time.perf_counter() - started - outside

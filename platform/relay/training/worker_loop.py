@@ -33,7 +33,7 @@ from relay.observe import doctor, worker_logs
 from relay.records import history
 from relay.runtime import worker_memory
 from relay.tasks import build_task
-from relay.training import efficiency, hosts
+from relay.training import efficiency, hosts, step_clocks
 from relay.training.data import ingest
 from relay.training.epochs import (
     Epochs,
@@ -44,6 +44,7 @@ from relay.training.epochs import (
     run_steps,
     steps_per_epoch,
 )
+from relay.training.step_clocks import StepClocks
 
 
 @contextlib.contextmanager
@@ -169,6 +170,8 @@ def _train_from_start(loop_config, host, cfg: RunConfig, beat, confined, loop_st
     data_ready_at = time.time()
 
     epochs = Epochs(task, engine, scheduler, cfg, beat)
+    mid_epoch_checkpoint = _mid_epoch_checkpoint(cfg, run_dir, engine, scheduler, task, host)
+    clocks = StepClocks(cfg, run_dir, epochs, val_data, mid_epoch_checkpoint)
     last_epoch, total_steps = run_epochs(cfg, start.epoch_steps), run_steps(cfg, start.epoch_steps)
     step = (start_epoch - 1) * start.epoch_steps + start.steps_done  # the run's optimizer steps
     for epoch in range(start_epoch, last_epoch + 1):
@@ -177,12 +180,10 @@ def _train_from_start(loop_config, host, cfg: RunConfig, beat, confined, loop_st
         train = train_data.epoch(epoch, next_epoch=following)
         # The epoch's batches come in the same seeded order as before the resume.
         train = itertools.islice(train, done * cfg.parallel.grad_accum, None)
-        checkpoint_mid_epoch = _step_clock(
-            cfg, run_dir, epoch, step - done, start.epoch_steps, engine, scheduler, task, host
-        )
+        after_step = clocks.for_pass(epoch, step - done, start.epoch_steps, total_steps)
         budget = min(start.epoch_steps - done, total_steps - step)
         metrics = epochs.epoch(
-            epoch, train, val_data.epoch(epoch), max_steps=budget, after_step=checkpoint_mid_epoch
+            epoch, train, val_data.epoch(epoch), max_steps=budget, after_step=after_step
         )
         step += epochs.passes[-1]["steps"]
         metrics["step"] = step
@@ -304,31 +305,34 @@ def _steps_to_skip(meta: dict[str, Any], cfg: RunConfig, epoch_steps: int) -> in
 
 
 def _on(step: int, cfg: RunConfig) -> bool:
-    """Whether the run's step clock (`checkpoint.every_steps`) asks for a checkpoint."""
-    every = cfg.checkpoint.every_steps
-    return every is not None and step % every == 0
+    """Whether the run's checkpoint clock in steps (`checkpoint.every_steps`) strikes."""
+    return step_clocks.on(step, cfg.checkpoint.every_steps)
 
 
-def _step_clock(cfg, run_dir, epoch, steps_before, epoch_steps, engine, scheduler, task, host):
-    """The `after_step` of epoch `epoch`'s training pass (the run had trained `steps_before`
-    steps when the epoch began): a checkpoint on the step clock, where it falls mid-epoch (at
-    the epoch's end, its report carries the checkpoint). None without a step clock."""
-    if cfg.checkpoint.every_steps is None:
-        return None
+def _mid_epoch_checkpoint(cfg, run_dir, engine, scheduler, task, host) -> step_clocks.Checkpoint:
+    """A checkpoint on the step clock where it falls mid-epoch (at an epoch's end, the epoch's
+    report carries it), with the step report's metrics if one was made at that step."""
 
-    def after_step(steps: int) -> None:
-        step = steps_before + steps
-        if not _on(step, cfg) or steps >= epoch_steps or step >= run_steps(cfg, epoch_steps):
-            return
-        # No "epoch" key: trackers and the console log epochs; this is a resume point.
-        metrics = {"step": step, "epoch_in_progress": epoch, "epoch_steps": steps}
-        meta = {"epoch": epoch - 1, "step": step, "epoch_steps": steps}
+    def write(epoch: int, step: int, epoch_steps: int, reported: dict[str, Any]) -> None:
+        # No "epoch" key: trackers log epochs; this is a resume point.
+        validated = {k: v for k, v in reported.items() if k.startswith("val_")}
+        metrics = {"step": step, "epoch_in_progress": epoch, "epoch_steps": epoch_steps}
+        meta = {"epoch": epoch - 1, "step": step, "epoch_steps": epoch_steps}
         _checkpoint_and_report(
-            cfg, run_dir, metrics, meta, engine, scheduler, task, host, f"step_{step:08d}", False
+            cfg,
+            run_dir,
+            {**metrics, **validated},
+            meta,
+            engine,
+            scheduler,
+            task,
+            host,
+            f"step_{step:08d}",
+            False,
         )
         _reseed(cfg, step)
 
-    return after_step
+    return write
 
 
 def _reseed(cfg: RunConfig, step: int) -> None:
