@@ -300,3 +300,17 @@ def first_epoch_start(run_dir, since: float) -> float:
     """When the first epoch trained after `since` began, from history.jsonl (rank 0's clock)."""
     first = next(e for e in history.read_raw(run_dir) if e["time"] >= since)
     return first["time"] - first["epoch_s"]
+
+
+def wait_until_cluster_idle(timeout_s: float = 120.0) -> None:
+    """Until the connected cluster has every CPU free again: a test whose premise is what fits
+    on the cluster must not count another test's actors still going away (seen in CI: the
+    first sweep test of a module, after test_strategy_runs, found CPUs freed between two reads)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ray.available_resources().get("CPU", 0.0) >= ray.cluster_resources().get("CPU", 0.0):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"CPUs still held after {timeout_s} s: {ray.available_resources()}")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support import REPO, subprocess_env, sweep_driver
+from support import REPO, subprocess_env, sweep_driver, wait_until_cluster_idle
 
 from relay.checkpoints import checkpoint
 from relay.cli import main as relay_main
@@ -102,6 +102,7 @@ def test_asha_stops_weak_trials_and_registers_the_best(ray_cluster, storage):
     )
     cfg.train.scaling.resources_per_worker = {"CPU": 2.0}
     cfg.train.scaling.threads_per_worker = 1  # as with the 1 CPU a worker has elsewhere
+    wait_until_cluster_idle()  # "two fit" counts the whole cluster's CPUs
     assert sweep.max_concurrent_trials(cfg) == sweep.trials_that_fit(cfg) + 1
     result = sweep.run(cfg, out=None)
     assert Path(result.sweep_dir).parent == storage / "sweeps"
