@@ -47,7 +47,7 @@ cluster-demo: venv
 # With api_fuzz, doctor and search_algs here too, this process ended 250 s after the other
 # (1,786 s against 1,539 s in CI on 2 cores, 2026-12-07): they moved to the other.
 BESIDE := tests/test_many_hosts.py tests/test_serve_cli.py tests/test_cli.py \
-	tests/test_multinode.py tests/test_serve.py tests/test_jobs.py \
+	tests/test_serve.py tests/test_jobs.py \
 	tests/test_larger_than_memory.py
 BESIDE_LOG := .pytest-beside.log
 
