@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support import mlflow_client, tensorboard_scalars
 
 import relay
 from relay.checkpoints import checkpoint
@@ -23,9 +24,10 @@ VAL_BATCHES = 2
 BATCH = 64
 
 
-def step_config(name: str, max_steps: int, **model):
+def step_config(name: str, max_steps: int, tracking: dict | None = None, **model):
     return from_dict(
         {
+            **({"tracking": tracking} if tracking else {}),
             "name": name,
             "task": "tests.crash_task:CrashTask",
             "size": "debug",
@@ -55,7 +57,10 @@ def test_a_step_budget_ends_mid_epoch_and_a_killed_worker_resumes_exactly(
     # Into epoch 2 and 12 steps of it; the worker dies starting step epoch_steps + 8, after
     # the step clock's checkpoint in (epoch_steps, epoch_steps + 5]: mid-epoch 2.
     budget, crash_at = epoch_steps + 12, epoch_steps + 8
-    whole = relay.train(step_config("steps-whole", budget), out=None, register=False)
+    # Tracked: its step reports go to TensorBoard and MLflow from the driver as they appear.
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracking = {"tensorboard": True, "mlflow": {"uri": uri}}
+    whole = relay.train(step_config("steps-whole", budget, tracking), out=None, register=False)
     resumed_from = (crash_at - 1) // EVERY * EVERY  # the step clock's last checkpoint before
     cfg = step_config(
         "steps-killed",
@@ -99,6 +104,7 @@ def test_a_step_budget_ends_mid_epoch_and_a_killed_worker_resumes_exactly(
     assert (final["epoch"], final["step"]) == (2, budget)
 
     _check_step_reports(whole, epoch_steps, budget)
+    _check_step_tracking(whole, uri)
 
 
 def _check_step_reports(result, epoch_steps: int, budget: int) -> None:
@@ -125,3 +131,25 @@ def _check_step_reports(result, epoch_steps: int, budget: int) -> None:
     meta = checkpoint.read_meta(Path(result.run_dir) / f"step_{EVERY:08d}")
     (at_five,) = [r for r in reports if r["step"] == EVERY]
     assert meta["metrics"]["val_loss"] == pytest.approx(at_five["val_loss"])
+
+
+def _check_step_tracking(result, uri: str) -> None:
+    """Every step report in TensorBoard and in the run's MLflow run, under `step/` with the
+    optimizer step as the step; the epoch reports as before, the epoch as the step."""
+    reports = history.read_steps(result.run_dir)
+    steps = [r["step"] for r in reports]
+    scalars = tensorboard_scalars(Path(result.run_dir) / "tensorboard")
+    assert [s for s, _ in scalars["step/train_loss"]] == steps
+    assert [v for _, v in scalars["step/train_loss"]] == pytest.approx(
+        [r["train_loss"] for r in reports]
+    )
+    assert [s for s, _ in scalars["step/val_loss"]] == [s for s in steps if s % EVERY == 0]
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2]
+    client = mlflow_client(uri)
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("relay").experiment_id],
+        filter_string=f"tags.`relay.run_id` = '{Path(result.run_dir).name}'",
+    )
+    logged = client.get_metric_history(run.info.run_id, "step/train_loss")
+    assert sorted(m.step for m in logged) == steps
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_loss")) == [1, 2]

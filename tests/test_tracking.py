@@ -14,6 +14,7 @@ from support import mlflow_client, tensorboard_scalars
 from relay import config
 from relay.observe import tracking
 from relay.observe.tracking import TensorBoardTracker, failures, mlflow_runs, scalar_tags
+from relay.records import history, report
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -160,3 +161,79 @@ def test_mlflow_that_fails_is_told_once_by_the_driver_and_not_called_again(tmp_p
     assert warnings[0].startswith(f"relay: MLflow at {uri} failed while logging epoch 1")
     assert "training goes on" in warnings[0]
     assert failures.failed(run_dir, mlflow_runs.TRACKER)
+
+
+def _step(step: int, loss: float, **more) -> dict:
+    return {"epoch": 1, "step": step, "train_loss": loss, "lr": 0.01, "samples_per_s": 900.0,
+            **more}  # fmt: skip
+
+
+def test_step_reports_go_to_tensorboard_and_mlflow_under_names_of_their_own(tmp_path):
+    """What rank 0 appends to steps.jsonl reaches both trackers through the driver's
+    `forward_steps`: under `step/`, the optimizer step as the step, each report once (a line
+    not yet ended waits for the next call), the epoch reports' tags untouched. A resumed call
+    (a new RunTracking) sends only what was appended after it opened."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    opened = _open(run_dir, uri, config={"epochs": 1})
+    tracked = tracking.RunTracking(run_dir, mlflow=opened)
+    tracked.callbacks = [
+        TensorBoardTracker(run_dir),
+        mlflow_runs.MlflowTracker(run_dir, uri, opened["run_id"]),
+    ]
+    tracked.callbacks[0].after_report(None, [{"epoch": 1, "train_loss": 1.9}], None)
+    history.append_step(run_dir, _step(4, 2.0))
+    history.append_step(run_dir, _step(8, 1.8, val_loss=1.7))
+    with open(run_dir / history.STEPS, "a") as steps:
+        steps.write('{"epoch": 1, "step": 12, "train_lo')  # rank 0 is writing it
+    tracked.forward_steps()
+    with open(run_dir / history.STEPS, "a") as steps:
+        steps.write('ss": 1.6, "lr": 0.01, "time": 1.0}\n')
+    tracked.forward_steps()
+    tracked.forward_steps()  # nothing new: nothing sent twice
+    resumed = tracking.RunTracking(run_dir, callbacks=tracked.callbacks, mlflow=opened)
+    history.append_step(run_dir, _step(16, 1.5))
+    resumed.forward_steps()
+
+    scalars = tensorboard_scalars(run_dir / "tensorboard")
+    assert scalars["train/loss"] == [(1, pytest.approx(1.9))]  # the epoch's, x: the epoch
+    assert scalars["step/train_loss"] == [
+        (4, 2.0), (8, pytest.approx(1.8)), (12, pytest.approx(1.6)), (16, 1.5)
+    ]  # fmt: skip
+    assert scalars["step/val_loss"] == [(8, pytest.approx(1.7))]
+    assert [s for s, _ in scalars["step/lr"]] == [4, 8, 12, 16]
+    assert "step/epoch" not in scalars and "step/time" not in scalars
+    client = mlflow_client(uri)
+    logged = client.get_metric_history(opened["run_id"], "step/train_loss")
+    assert sorted((m.step, round(m.value, 6)) for m in logged) == [
+        (4, 2.0), (8, 1.8), (12, 1.6), (16, 1.5)
+    ]  # fmt: skip
+    assert [m.step for m in client.get_metric_history(opened["run_id"], "step/val_loss")] == [8]
+    stamped = {m.step: m.timestamp for m in logged}
+    assert stamped[12] == 1000  # when rank 0 wrote it, not when it was sent
+    assert client.get_metric_history(opened["run_id"], "train_loss") == []
+
+
+def test_a_run_page_draws_its_step_reports(tmp_path):
+    """A run with step clocks: its page draws the step reports against the optimizer step,
+    the last report of a step trained again after a restart."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    epoch = {"epoch": 1, "step": 12, "train_loss": 1.6, "val_loss": 1.7, "lr": 0.01,
+             "samples_per_s": 900.0, "epoch_s": 1.0}  # fmt: skip
+    history.append(run_dir, epoch)
+    history.append_step(run_dir, _step(4, 2.0))
+    history.append_step(run_dir, _step(8, 9.9, val_loss=9.9))  # then a restart from step 4
+    history.append_step(run_dir, _step(8, 1.8, val_loss=1.7))
+    record = {"run_id": "run-1", "task": "digits", "size": "debug", "status": "finished",
+              "run_dir": str(run_dir), "config": {"checkpoint": {"metric": "val_loss"}},
+              }  # fmt: skip
+    page = report.run_page(record)
+    assert "2 step reports" in page
+    for trace in ("step_train_loss", "step_val_loss", "step_lr", "step_samples_per_s"):
+        assert page.count(f'id="trace-{trace}"') == 1, trace
+    assert [r["train_loss"] for r in history.latest_steps(run_dir)] == [2.0, 1.8]
+    without = tmp_path / "epochs-only"
+    without.mkdir()
+    assert "trace-step_" not in report.run_page({**record, "run_dir": str(without)})

@@ -253,8 +253,8 @@ class ReportConfig(Section):
         ge=1,
         description="Also report every N optimizer steps: the training metrics of the steps "
         "since the last report (and `validation.every_steps`' metrics) as a line of the "
-        "run's steps.jsonl and of the console, with the epoch in progress as a field. "
-        "null: epochs only.",
+        "run's steps.jsonl and of the console, with the epoch in progress as a field, and to "
+        "the trackers under `step/` (x: the optimizer step). null: epochs only.",
     )
 
 
@@ -335,8 +335,9 @@ class MlflowConfig(Section):
 class TrackingConfig(Section):
     tensorboard: bool = Field(
         False,
-        description="Write each epoch's metrics as TensorBoard event files in the run's "
-        "directory (`tensorboard --logdir <storage>/runs` shows every run and trial).",
+        description="Write each epoch's metrics (and step report's, under `step/`) as "
+        "TensorBoard event files in the run's directory (`tensorboard --logdir "
+        "<storage>/runs` shows every run and trial).",
     )
     mlflow: MlflowConfig | None = Field(
         None,

@@ -66,21 +66,17 @@ def follow(
     if out is None:
         yield
         return
-    printed = {"epochs": 0, "steps": 0}
+    new_epochs = history.Follower(run_dir, history.FILE)
+    new_steps = history.Follower(run_dir, history.STEPS)  # report.every_steps
 
     def flush() -> None:
         if also is not None:
             also()
-        records = history.read_raw(run_dir)
-        steps = history.read_steps(run_dir)  # the step clocks' reports (report.every_steps)
-        lines = [
-            (r["time"], epoch_line(r, epochs, max_steps)) for r in records[printed["epochs"] :]
-        ]
-        lines += [(r["time"], step_line(r, max_steps)) for r in steps[printed["steps"] :]]
+        lines = [(r["time"], epoch_line(r, epochs, max_steps)) for r in new_epochs.new()]
+        lines += [(r["time"], step_line(r, max_steps)) for r in new_steps.new()]
         for _, line in sorted(lines):
             out.write(line + "\n")
         out.flush()
-        printed.update(epochs=len(records), steps=len(steps))
 
     with background.every(0.2, flush, "relay-progress"):
         yield

@@ -60,6 +60,41 @@ def read_steps(run_dir: str | Path) -> list[dict[str, Any]]:
     return _read(Path(run_dir) / STEPS)
 
 
+def latest_steps(run_dir: str | Path) -> list[dict[str, Any]]:
+    """One step report per step, in step order (the latest of a step reported again after a
+    restart)."""
+    by_step = {record["step"]: record for record in read_steps(run_dir)}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+class Follower:
+    """The records appended to one of a run's files since the last call, read from where the
+    last call stopped (a run of days appends steps.jsonl a line every few seconds: rereading
+    it whole each time would grow without bound). A line not yet ended is left for the next
+    call; a line that does not parse (cut short by a killed writer) is skipped."""
+
+    def __init__(self, run_dir: str | Path, name: str = STEPS, *, from_end: bool = False):
+        self.path = Path(run_dir) / name
+        self.offset = self.path.stat().st_size if from_end and self.path.exists() else 0
+
+    def new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        ended = data.rfind(b"\n") + 1
+        self.offset += ended
+        records = []
+        for line in data[:ended].splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return records
+
+
 def append_failure(run_dir: str | Path, ranks: list[int]) -> None:
     _append(Path(run_dir) / FAILURES, {"ranks": ranks})
 

@@ -6,10 +6,11 @@ kilobytes that opens anywhere without a network or a script (plotly, the other c
 an SVG group with an id `trace-...`, so a page's curves can be counted in the DOM.
 
 A run's page: learning curves (train/val loss, the task's metric), throughput and the learning
-rate per epoch, where the run's wall time went (start-up, training passes split into compute and
-gradient communication, waiting for input, validation and checkpoints), and the config. A
-sweep's page: every trial's metric per epoch on one chart (a trial ASHA stopped ends in an x),
-its configs against its score in parallel coordinates, the best trial drawn bold, and the table.
+rate per epoch (and per step report, for a run with step clocks), where the run's wall time
+went (start-up, training passes split into compute and gradient communication, waiting for
+input, validation and checkpoints), and the config. A sweep's page: every trial's metric per
+epoch on one chart (a trial ASHA stopped ends in an x), its configs against its score in
+parallel coordinates, the best trial drawn bold, and the table.
 """
 
 from __future__ import annotations
@@ -86,6 +87,32 @@ def _run_charts(record: dict[str, Any], epochs: list[dict[str, Any]]) -> list[st
     return charts
 
 
+def _step_charts(steps: list[dict[str, Any]]) -> list[str]:
+    """The step clocks' reports (`report.every_steps`, `validation.every_steps`) against the
+    optimizer step: what a run of one long epoch has to show between its epoch ends."""
+    charts = []
+    figure, axes = _figure()
+    for name in ("train_loss", "val_loss"):
+        points = [(s["step"], s[name]) for s in steps if name in s]
+        if points:
+            x, y = zip(*points, strict=True)
+            _series(axes, x, y, f"step_{name}", marker=".")
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("loss")
+    axes.legend()
+    charts.append(_chart("Loss per step report", _svg(figure)))
+    x = [s["step"] for s in steps]
+    figure, (rate, lr) = _figure(height=3.0, ncols=2)
+    _series(rate, x, [s.get("samples_per_s") for s in steps], "step_samples_per_s", marker=".")
+    rate.set_xlabel("optimizer step")
+    rate.set_ylabel("samples/s")
+    _series(lr, x, [s.get("lr") for s in steps], "step_lr", marker=".", color="#2ca02c")
+    lr.set_xlabel("optimizer step")
+    lr.set_ylabel("learning rate")
+    charts.append(_chart("Throughput and learning rate per step report", _svg(figure)))
+    return charts
+
+
 def time_breakdown(record: dict[str, Any], epochs: list[dict[str, Any]]) -> dict[str, float]:
     """The run's last call's wall time in parts, from its records: start-up (efficiency
     report), then per epoch the training passes (samples / rate) split by the measured share
@@ -143,10 +170,13 @@ def _page(title: str, subtitle: str, sections: list[str]) -> str:
 
 def run_page(record: dict[str, Any]) -> str:
     epochs = history.read(record["run_dir"])
+    steps = history.latest_steps(record["run_dir"])
     charts = _run_charts(record, epochs) if epochs else ["<p>No epoch has been recorded.</p>"]
+    charts += _step_charts(steps) if steps else []
+    reported = f", {len(steps)} step reports" if steps else ""
     subtitle = (
         f"{record['task']} ({record.get('size')}), {record.get('status')}; "
-        f"{len(epochs)} epochs; model {record.get('model') or '-'}"
+        f"{len(epochs)} epochs{reported}; model {record.get('model') or '-'}"
     )
     config = yaml.safe_dump(_shown_config(record["config"]), sort_keys=False)
     sections = [*charts, f"<h2>Config</h2><pre>{html.escape(config)}</pre>"]

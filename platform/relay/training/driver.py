@@ -21,7 +21,7 @@ from relay.checkpoints import checkpoint, consolidate
 from relay.config import ConfigError, RunConfig
 from relay.observe import console, doctor, tracking
 from relay.records import history, registry, run_admin
-from relay.runtime import cluster, ray_private, worker_memory
+from relay.runtime import background, cluster, ray_private, worker_memory
 from relay.training import efficiency
 
 if TYPE_CHECKING:
@@ -314,6 +314,7 @@ def _run(cfg: RunConfig, opened: _OpenRun, trainer: Any, out: TextIO | None, tim
             cluster.worker_wait(cfg.failure.worker_wait_s) as wait_s,
             cluster.run_ends_with_fit(),
             console.follow(run_dir, cfg.epochs, out, opened.tracked.announce, cfg.max_steps),
+            _steps_tracked(cfg, opened.tracked),
             doctor.watching(cfg.doctor, run_dir, out),
         ):
             times["fit_called"] = time.time()
@@ -334,6 +335,18 @@ def _run(cfg: RunConfig, opened: _OpenRun, trainer: Any, out: TextIO | None, tim
     finally:
         if cfg.scaling.memory_per_worker:  # once Ray has ended the worker processes in them
             worker_memory.release(run_id, cfg.scaling.max_workers)
+
+
+# How often the driver sends the step reports rank 0 appended to the trackers.
+STEP_TRACKING_S = 2.0
+
+
+def _steps_tracked(cfg: RunConfig, tracked: tracking.RunTracking):
+    """While the run trains, its step reports (steps.jsonl) go to its trackers, if any."""
+    reports = cfg.report.every_steps or cfg.validation.every_steps
+    if not (reports and tracked.callbacks):
+        return contextlib.nullcontext()
+    return background.every(STEP_TRACKING_S, tracked.forward_steps, "relay-step-tracking")
 
 
 def _finish(

@@ -5,11 +5,15 @@ Epochs are logged from Ray Train's controller, by `UserCallback`s (`after_report
 rank's report), never from the workers: a worker group that restarts after a failure opens no
 second writer or run, and every trial of a sweep logs its own run. What is logged once per run
 (MLflow's run with its params, its end and artifacts, model versions) comes from the run's
-driver. A tracker that fails never costs the training: it warns once and stops, and
-history.jsonl and run.json keep every epoch.
+driver. The step clocks' reports (`report.every_steps`, `validation.every_steps`), which rank 0
+appends to steps.jsonl between epoch ends without a Ray Train report, are sent on by the
+driver as they appear (`forward_steps`, every few seconds while the run trains). A tracker that
+fails never costs the training: it warns once and stops, and history.jsonl, steps.jsonl and
+run.json keep every epoch and step report.
 
     tracked = tracking.open_run(cfg, run_dir, run_id, previous=..., sweep_id=...)
     ... Ray Train with tracked.callbacks; run.json gets tracked.record() ...
+    ... tracked.forward_steps() every few seconds while it trains ...
     tracked.close("FINISHED", efficiency=report)
 """
 
@@ -24,6 +28,7 @@ from relay.config import redacted_uri
 from relay.observe.tracking import failures, mlflow_runs, tensorboard
 from relay.observe.tracking.metrics import numeric_metrics
 from relay.observe.tracking.tensorboard import TensorBoardTracker, scalar_tags
+from relay.records import history
 from relay.records.sweep_records import sweeps_root
 
 __all__ = [
@@ -67,6 +72,15 @@ class RunTracking:
 
     def __post_init__(self) -> None:
         self.announce = failures.Announcer(self.run_dir)  # call it to print new failures
+        # A resumed run's earlier step reports went to the trackers in its earlier calls.
+        self._new_steps = history.Follower(self.run_dir, history.STEPS, from_end=True)
+
+    def forward_steps(self) -> None:
+        """Send the step reports rank 0 appended since the last call to each tracker."""
+        records = self._new_steps.new()
+        if records:
+            for tracker in self.callbacks:
+                tracker.write_steps(records)
 
     def record(self) -> dict[str, Any]:
         return {"tracking": {"mlflow": self.mlflow}} if self.mlflow else {}

@@ -7,7 +7,9 @@ Who writes what:
   the run's identity as tags; when the run ends it adds the efficiency report and sets the
   run's status;
 - Ray Train's controller logs each epoch's metrics (`MlflowTracker.after_report`, step =
-  epoch), so a worker group that restarts never opens a second MLflow run;
+  epoch), so a worker group that restarts never opens a second MLflow run; the driver logs
+  the step clocks' reports as rank 0 appends them (`MlflowTracker.write_steps`, under `step/`,
+  step = the optimizer step);
 - registering a model version adds the checkpoint's `meta.json` and a pointer to the
   checkpoint as the run's `relay-checkpoint` artifact, registers that artifact as the next
   version of the model, and moves the alias `best` to it when it is relay's best (`latest` is
@@ -33,7 +35,7 @@ import ray.train
 
 from relay.config import flatten, redacted_uri
 from relay.observe.tracking import failures
-from relay.observe.tracking.metrics import numeric_metrics
+from relay.observe.tracking.metrics import numeric_metrics, step_metrics
 
 # An unreachable server must cost a run seconds, not MLflow's default of 7 retries with
 # backoff (minutes per call): at most 3 tries, 10 s each. A user's own setting wins.
@@ -52,6 +54,7 @@ CLIENT_ENV = {
 TRACKER = "mlflow"  # its failure mark in a run's (or sweep's) directory: see failures.py
 CHECKPOINT_ARTIFACT = "relay-checkpoint"
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param's value
+MAX_BATCH_METRICS = 1000  # MLflow's limit on the metrics of one log_batch
 
 T = TypeVar("T")
 
@@ -310,3 +313,25 @@ class MlflowTracker(ray.train.UserCallback):
             self._client.log_batch(self.run_id, metrics=values)
 
         _call(self.run_dir, self.uri, f"logging epoch {epoch}", log)
+
+    def write_steps(self, records: list[dict[str, Any]]) -> None:
+        """Step reports (steps.jsonl's records), logged by the driver as rank 0 appends them,
+        each at the time rank 0 wrote it."""
+        if not records:
+            return
+
+        def log() -> None:
+            from mlflow.entities import Metric
+
+            if self._client is None:
+                self._client = _client(self.uri)
+            values = [
+                Metric(name, value, int(r["time"] * 1000), int(r["step"]))
+                for r in records
+                for name, value in step_metrics(r).items()
+            ]
+            for start in range(0, len(values), MAX_BATCH_METRICS):
+                batch = values[start : start + MAX_BATCH_METRICS]
+                self._client.log_batch(self.run_id, metrics=batch)
+
+        _call(self.run_dir, self.uri, f"logging steps up to {records[-1]['step']}", log)

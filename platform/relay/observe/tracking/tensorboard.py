@@ -1,7 +1,8 @@
 """TensorBoard: event files (tensorboardX, which Ray already installs) in `<run_dir>/tensorboard`,
 one scalar per numeric metric with the epoch as its step, grouped as TensorBoard shows them:
-`train/loss`, `val/accuracy`, `run/samples_per_s`. A resumed run writes to the same
-directory; TensorBoard reads its files as one run.
+`train/loss`, `val/accuracy`, `run/samples_per_s`; the step clocks' reports under `step/`
+(`step/train_loss`, `step/val_loss`, `step/lr`) with the optimizer step as theirs. A resumed
+run writes to the same directory; TensorBoard reads its files as one run.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import ray.train
 
 from relay.observe.tracking import failures
-from relay.observe.tracking.metrics import numeric_metrics
+from relay.observe.tracking.metrics import numeric_metrics, step_metrics
 
 TENSORBOARD_DIR = "tensorboard"
 TRACKER = "tensorboard"  # its failure mark in a run's directory: see failures.py
@@ -50,16 +51,29 @@ class TensorBoardTracker(ray.train.UserCallback):
         if failures.failed(self.run_dir, TRACKER):
             return
         report, epoch = metrics[0], int(metrics[0]["epoch"])
+        self._write([(scalar_tags(report), epoch)], f"{epoch}", "history.jsonl has every epoch")
+
+    def write_steps(self, records: list[dict[str, Any]]) -> None:
+        """Step reports (steps.jsonl's records), written by the driver as rank 0 appends them."""
+        if self._broken or not records or failures.failed(self.run_dir, TRACKER):
+            return
+        scalars = [(step_metrics(r), int(r["step"])) for r in records]
+        self._write(scalars, f"step{scalars[0][1]}", "steps.jsonl has every step report")
+
+    def _write(self, scalars: list[tuple[dict[str, float], int]], suffix: str, kept: str) -> None:
+        """`(tags and values, step)` pairs in an event file of their own, on disk when this
+        returns."""
         try:
             from tensorboardX import SummaryWriter
 
-            # The suffix keeps two epochs written within one second in files of their own.
+            # The suffix keeps two writes within one second in files of their own.
             writer = SummaryWriter(
-                logdir=str(self.logdir), filename_suffix=f".{os.getpid()}.{epoch}"
+                logdir=str(self.logdir), filename_suffix=f".{os.getpid()}.{suffix}"
             )
             try:
-                for tag, value in scalar_tags(report).items():
-                    writer.add_scalar(tag, value, global_step=epoch)
+                for tags, step in scalars:
+                    for tag, value in tags.items():
+                        writer.add_scalar(tag, value, global_step=step)
             finally:
                 writer.close()
         except OSError as error:
@@ -68,5 +82,5 @@ class TensorBoardTracker(ray.train.UserCallback):
                 self.run_dir,
                 TRACKER,
                 f"relay: TensorBoard files in {self.logdir} could not be written "
-                f"({error.strerror or error}); training goes on, history.jsonl has every epoch",
+                f"({error.strerror or error}); training goes on, {kept}",
             )
