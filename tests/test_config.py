@@ -101,6 +101,8 @@ def test_train_epochs_alone_sets_the_length_of_a_sweep_trial():
         (["checkpoint.every_steps=0"], "checkpoint.every_steps"),
         # Where a stream of files stands mid-epoch is not recorded: no step clock over it.
         (["checkpoint.every_steps=5", "data.cache=false"], "checkpoint.every_steps"),
+        (["checkpoint.every_minutes=0"], "checkpoint.every_minutes"),
+        (["checkpoint.every_minutes=30", "data.cache=false"], "checkpoint.every_minutes"),
     ],
 )
 def test_bad_values_name_the_field(overrides, field):
@@ -233,6 +235,7 @@ def test_tpe_without_optuna_fails_with_the_install_line(tmp_path):
     [
         "train.max_steps=50",
         "train.checkpoint.every_steps=5",
+        "train.checkpoint.every_minutes=30",
         "train.validation.every_steps=5",
         "train.report.every_steps=5",
     ],

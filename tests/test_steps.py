@@ -15,6 +15,7 @@ from relay.checkpoints import checkpoint
 from relay.config import from_dict
 from relay.records import history
 from relay.tasks import build_task
+from relay.training.step_clocks import MINUTES_CHECK_STEPS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -24,7 +25,9 @@ VAL_BATCHES = 2
 BATCH = 64
 
 
-def step_config(name: str, max_steps: int, tracking: dict | None = None, **model):
+def step_config(
+    name: str, max_steps: int, tracking: dict | None = None, checkpoint: dict | None = None, **model
+):
     return from_dict(
         {
             **({"tracking": tracking} if tracking else {}),
@@ -37,7 +40,7 @@ def step_config(name: str, max_steps: int, tracking: dict | None = None, **model
             "optim": {"lr": 0.01},
             "schedule": {"name": "cosine"},
             "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 1}},
-            "checkpoint": {"every_steps": EVERY, "keep": None},
+            "checkpoint": checkpoint or {"every_steps": EVERY, "keep": None},
             "validation": {"every_steps": EVERY, "max_batches": VAL_BATCHES},
             "report": {"every_steps": REPORT},
         }
@@ -50,17 +53,25 @@ def steps_per_epoch() -> int:
     return -(-len(split.train["y"]) // BATCH)  # one worker: every row, the last batch short
 
 
+@pytest.fixture(scope="module")
+def whole(ray_cluster, tmp_path_factory):
+    """A run of a step budget into epoch 2 (12 steps of it), never interrupted, its clocks in
+    steps; tracked: its step reports go to TensorBoard and MLflow from the driver as they
+    appear. (the result, the MLflow URI)"""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+    tracking = {"tensorboard": True, "mlflow": {"uri": uri}}
+    cfg = step_config("steps-whole", steps_per_epoch() + 12, tracking)
+    return relay.train(cfg, out=None, register=False), uri
+
+
 def test_a_step_budget_ends_mid_epoch_and_a_killed_worker_resumes_exactly(
-    ray_cluster, relay_home, tmp_path
+    whole, relay_home, tmp_path
 ):
+    whole, uri = whole
     epoch_steps = steps_per_epoch()
     # Into epoch 2 and 12 steps of it; the worker dies starting step epoch_steps + 8, after
     # the step clock's checkpoint in (epoch_steps, epoch_steps + 5]: mid-epoch 2.
     budget, crash_at = epoch_steps + 12, epoch_steps + 8
-    # Tracked: its step reports go to TensorBoard and MLflow from the driver as they appear.
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    tracking = {"tensorboard": True, "mlflow": {"uri": uri}}
-    whole = relay.train(step_config("steps-whole", budget, tracking), out=None, register=False)
     resumed_from = (crash_at - 1) // EVERY * EVERY  # the step clock's last checkpoint before
     cfg = step_config(
         "steps-killed",
@@ -96,6 +107,18 @@ def test_a_step_budget_ends_mid_epoch_and_a_killed_worker_resumes_exactly(
     # Lost: the steps between that checkpoint and the crash, fewer than the clock's period.
     assert crash_at - 1 - resumed_from < EVERY
 
+    # The resumed worker group's step reports: the run's own steps (not counted from the
+    # epoch's start again), each over the same steps as the uninterrupted run's, to the same
+    # losses. (The first worker group's last reports before the crash are in the file too.)
+    after = [
+        r for r in history.read_steps(run_dir) if r["time"] > history.failure_times(run_dir)[0]
+    ]
+    same = {r["step"]: r for r in history.read_steps(whole.run_dir) if r["step"] > resumed_from}
+    assert [r["step"] for r in after] == sorted(same), (after, same)
+    for report in after:
+        for key in ("train_loss", "train_count"):
+            assert report[key] == pytest.approx(same[report["step"]][key], rel=1e-5), report
+
     # Same samples in the same order, the same dropout draws: the same model in the end.
     for key in ("val_loss", "val_accuracy"):
         assert killed.metrics[key] == pytest.approx(whole.metrics[key], rel=1e-5), key
@@ -105,6 +128,29 @@ def test_a_step_budget_ends_mid_epoch_and_a_killed_worker_resumes_exactly(
 
     _check_step_reports(whole, epoch_steps, budget)
     _check_step_tracking(whole, uri)
+
+
+def test_a_wall_clock_checkpoints_mid_epoch_without_changing_what_is_trained(whole):
+    """`checkpoint.every_minutes` so short that it has always passed when rank 0's clock is
+    looked at (every MINUTES_CHECK_STEPS steps, and at each epoch's end): a checkpoint there
+    and at no other step. The random stream restarts from (seed, step) after every step
+    whatever clock made the checkpoints, so the run ends with the model of the run whose
+    checkpoints were every EVERY steps."""
+    by_steps, _ = whole
+    epoch_steps = steps_per_epoch()
+    budget = epoch_steps + 12
+    minutes = {"every_minutes": 1e-6, "keep": None}
+    cfg = step_config("clock-minutes", budget, checkpoint=minutes)
+    by_minutes = relay.train(cfg, out=None, register=False)
+
+    made = sorted(p.name for p in Path(by_minutes.run_dir).glob("step_*"))
+    checks = range(MINUTES_CHECK_STEPS, budget, MINUTES_CHECK_STEPS)
+    assert made == [f"step_{s:08d}" for s in checks if s != epoch_steps], made
+    assert sorted(p.name for p in Path(by_minutes.run_dir).glob("epoch_*")) == [
+        "epoch_0001", "epoch_0002"
+    ]  # fmt: skip
+    for key in ("val_loss", "val_accuracy"):
+        assert by_minutes.metrics[key] == pytest.approx(by_steps.metrics[key], rel=1e-5), key
 
 
 def _check_step_reports(result, epoch_steps: int, budget: int) -> None:

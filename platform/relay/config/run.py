@@ -204,6 +204,19 @@ class CheckpointConfig(Section):
         "(same worker count; the task's own data in memory). `keep` then counts the latest "
         "checkpoints, not the best: mid-epoch ones have no validation metric. null: epochs only.",
     )
+    every_minutes: float | None = Field(
+        None,
+        gt=0,
+        description="Also checkpoint once this many minutes of wall clock have passed since "
+        "the last checkpoint (whichever clock strikes first), mid-epoch included, as "
+        "`every_steps` does: a lost worker costs at most this long. Rank 0's clock decides, "
+        "looked at every 10 steps and at each epoch's end. null: no wall clock.",
+    )
+
+    def step_clocked(self) -> bool:
+        """Whether checkpoints are also made mid-epoch (a clock in steps or minutes)."""
+        return self.every_steps is not None or self.every_minutes is not None
+
     keep: int | None = Field(2, ge=1, description="Checkpoints kept (best by `metric`); null: all.")
     metric: str | None = Field(
         None, description="Metric that ranks checkpoints; null: the task's metric."
@@ -513,13 +526,12 @@ class RunConfig(Section):
             self.checkpoint.metric = task_cls.metric
         if self.checkpoint.mode is None:
             self.checkpoint.mode = task_cls.mode
-        if self.checkpoint.every_steps is not None and (
-            self.data.from_files or not self.data.caches
-        ):
+        if self.checkpoint.step_clocked() and (self.data.from_files or not self.data.caches):
             # Where a stream of files stands mid-epoch is not recorded yet: its resume would
             # retrain or skip samples.
+            field = "every_steps" if self.checkpoint.every_steps is not None else "every_minutes"
             raise ValueError(
-                "checkpoint.every_steps: mid-epoch resume needs the task's own data held in "
+                f"checkpoint.{field}: mid-epoch resume needs the task's own data held in "
                 "memory (no data.format, data.cache not false)"
             )
         if self.checkpoint.format == "sharded" and self.parallel.strategy == "zero1":

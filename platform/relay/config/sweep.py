@@ -191,6 +191,7 @@ class SweepConfig(BaseModel):
         for field, value in (
             ("train.max_steps", self.train.max_steps),
             ("train.checkpoint.every_steps", self.train.checkpoint.every_steps),
+            ("train.checkpoint.every_minutes", self.train.checkpoint.every_minutes),
             ("train.validation.every_steps", self.train.validation.every_steps),
             ("train.report.every_steps", self.train.report.every_steps),
         ):

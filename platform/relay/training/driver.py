@@ -74,8 +74,9 @@ def checkpoint_config(cfg: RunConfig):
     """Which of a run's checkpoints are kept (Ray Train's CheckpointConfig)."""
     import ray.train
 
-    # Mid-epoch checkpoints (the step clock) carry no validation metric: the latest are kept.
-    ranked = cfg.checkpoint.every_steps is None
+    # Mid-epoch checkpoints (a clock in steps or minutes) carry no validation metric: the
+    # latest are kept.
+    ranked = not cfg.checkpoint.step_clocked()
     return ray.train.CheckpointConfig(
         num_to_keep=cfg.checkpoint.keep,
         checkpoint_score_attribute=cfg.checkpoint.metric if ranked else None,

@@ -1,10 +1,15 @@
-"""The run's clocks in optimizer steps, between epoch ends: a report (`report.every_steps`), a
-bounded validation (`validation.every_steps`, `validation.max_batches`) and a checkpoint
-(`checkpoint.every_steps`). What runs after a step of the training pass; at an epoch's end the
+"""The run's clocks between epoch ends: a report (`report.every_steps`), a bounded validation
+(`validation.every_steps`, `validation.max_batches`) and a checkpoint (`checkpoint.every_steps`,
+`checkpoint.every_minutes`). What runs after a step of the training pass; at an epoch's end the
 epoch's own report, validation and checkpoint take over.
 
 Every rank runs the same steps, so every rank reaches a clock's step together: the sums across
-ranks, the validation and the checkpoint below are collectives.
+ranks, the validation and the checkpoint below are collectives. The wall clock is rank 0's (the
+ranks' clocks would cross a minute at different steps), sent to every rank by a collective of
+one number every MINUTES_CHECK_STEPS steps.
+
+A run checkpointed mid-epoch restarts the random stream (dropout's) after every step from
+(seed, step), so a run resumed at any step draws what the uninterrupted run drew after it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from relay import parallel
 from relay.config import RunConfig
 from relay.records import history
@@ -24,6 +31,10 @@ from relay.training.epochs import Epochs
 # (epoch in progress, run step, steps of the epoch, the step report's metrics or {})
 Checkpoint = Callable[[int, int, int, dict[str, Any]], None]
 
+# How often (in steps) the minutes clock is looked at mid-epoch: its collective then costs a
+# tenth of one per step, and a clock of minutes strikes at most 10 steps late.
+MINUTES_CHECK_STEPS = 10
+
 
 def on(step: int, every: int | None) -> bool:
     """Whether a clock of period `every` (None: no clock) strikes at `step`."""
@@ -31,8 +42,13 @@ def on(step: int, every: int | None) -> bool:
 
 
 def any_clock(cfg: RunConfig) -> bool:
-    every = (cfg.report.every_steps, cfg.validation.every_steps, cfg.checkpoint.every_steps)
-    return any(e is not None for e in every)
+    every = (cfg.report.every_steps, cfg.validation.every_steps)
+    return any(e is not None for e in every) or cfg.checkpoint.step_clocked()
+
+
+def reseed(cfg: RunConfig, step: int) -> None:
+    """The random stream (dropout's) from (seed, step): where training goes on after `step`."""
+    torch.manual_seed(cfg.seed * 1_000_003 + step)
 
 
 class StepClocks:
@@ -43,25 +59,44 @@ class StepClocks:
     ) -> None:
         self.cfg, self.run_dir, self.epochs = cfg, run_dir, epochs
         self.val_data, self.checkpoint = val_data, checkpoint
+        self.checkpointed_at = time.monotonic()  # rank 0's: see minutes_due
 
-    def for_pass(self, epoch: int, steps_before: int, epoch_steps: int, total_steps: int):
-        """The hook for epoch `epoch`'s pass (the run had trained `steps_before` steps when
-        the epoch began); None without a step clock."""
+    def checkpointed(self) -> None:
+        """A checkpoint was made (mid-epoch, or at an epoch's end): the minutes clock restarts."""
+        self.checkpointed_at = time.monotonic()
+
+    def minutes_due(self) -> bool:
+        """Whether `checkpoint.every_minutes` have passed since the last checkpoint, by rank 0's
+        clock; a collective (every rank calls it at the same step)."""
+        every = self.cfg.checkpoint.every_minutes
+        if every is None:
+            return False
+        passed = parallel.is_main() and time.monotonic() - self.checkpointed_at >= every * 60
+        return parallel.sum_across_ranks({"due": torch.tensor(float(passed))})["due"] > 0
+
+    def for_pass(self, epoch: int, first_step: int, done: int, epoch_steps: int, total_steps: int):
+        """The hook for epoch `epoch`'s pass, which begins after the run's step `first_step`,
+        `done` steps into the epoch (a resumed epoch's: the steps its checkpoint had trained);
+        None without a clock between epoch ends."""
         if not any_clock(self.cfg):
             return None
         since: dict[str, Any] = {"sums": {}, "at": time.perf_counter()}
+        cfg = self.cfg
 
         def after_step(steps: int, sums: Batch) -> None:
-            step = steps_before + steps
-            if steps >= epoch_steps or step >= total_steps:
-                return  # the epoch's (or the run's) end: its own report follows
-            cfg = self.cfg
-            validate = on(step, cfg.validation.every_steps)
-            metrics: dict[str, Any] = {}
-            if validate or on(step, cfg.report.every_steps):
-                metrics = self._report(epoch, step, sums, since, validate)
-            if on(step, cfg.checkpoint.every_steps):
-                self.checkpoint(epoch, step, steps, metrics)
+            step, into_epoch = first_step + steps, done + steps
+            if into_epoch < epoch_steps and step < total_steps:  # else the epoch's own report
+                validate = on(step, cfg.validation.every_steps)
+                metrics: dict[str, Any] = {}
+                if validate or on(step, cfg.report.every_steps):
+                    metrics = self._report(epoch, step, sums, since, validate)
+                if on(step, cfg.checkpoint.every_steps) or (
+                    on(step, MINUTES_CHECK_STEPS) and self.minutes_due()
+                ):
+                    self.checkpoint(epoch, step, into_epoch, metrics)
+                    self.checkpointed()
+            if cfg.checkpoint.step_clocked():
+                reseed(cfg, step)  # before the next step, whatever ran after this one
 
         return after_step
 

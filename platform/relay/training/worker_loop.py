@@ -180,7 +180,7 @@ def _train_from_start(loop_config, host, cfg: RunConfig, beat, confined, loop_st
         train = train_data.epoch(epoch, next_epoch=following)
         # The epoch's batches come in the same seeded order as before the resume.
         train = itertools.islice(train, done * cfg.parallel.grad_accum, None)
-        after_step = clocks.for_pass(epoch, step - done, start.epoch_steps, total_steps)
+        after_step = clocks.for_pass(epoch, step, done, start.epoch_steps, total_steps)
         budget = min(start.epoch_steps - done, total_steps - step)
         metrics = epochs.epoch(
             epoch, train, val_data.epoch(epoch), max_steps=budget, after_step=after_step
@@ -188,12 +188,17 @@ def _train_from_start(loop_config, host, cfg: RunConfig, beat, confined, loop_st
         step += epochs.passes[-1]["steps"]
         metrics["step"] = step
         beat.phase("report", epoch)
-        due = epoch % cfg.checkpoint.every == 0 or epoch == last_epoch or _on(step, cfg)
+        due = (
+            epoch % cfg.checkpoint.every == 0
+            or epoch == last_epoch
+            or step_clocks.on(step, cfg.checkpoint.every_steps)
+            or clocks.minutes_due()  # a collective: every rank's terms above are the same
+        )
         _report(
             cfg, run_dir, epoch, metrics, engine, scheduler, task, host, due, epoch == last_epoch
         )
-        if _on(step, cfg):
-            _reseed(cfg, step)
+        if due:
+            clocks.checkpointed()
 
     report = None
     beat.phase("efficiency")
@@ -275,8 +280,8 @@ def _restore(task, cfg: RunConfig, loop_config: dict[str, Any], host: hosts.Loop
     # The schedule's position follows from the epoch, not from the saved step count: a run
     # resumed on another worker count (or grad_accum) has another number of steps per epoch.
     fast_forward(scheduler, (start_epoch - 1) * steps + done)
-    if "step" in meta and _on(meta["step"], cfg) and (done or not meta.get("epoch_steps")):
-        _reseed(cfg, meta["step"])  # as the run did when it wrote this checkpoint
+    if cfg.checkpoint.step_clocked():  # as the run did after the step training takes up at
+        step_clocks.reseed(cfg, (start_epoch - 1) * steps + done)
     return _Start(engine, scheduler, start_epoch, done, steps)
 
 
@@ -304,14 +309,10 @@ def _steps_to_skip(meta: dict[str, Any], cfg: RunConfig, epoch_steps: int) -> in
     return done if same_cut else 0
 
 
-def _on(step: int, cfg: RunConfig) -> bool:
-    """Whether the run's checkpoint clock in steps (`checkpoint.every_steps`) strikes."""
-    return step_clocks.on(step, cfg.checkpoint.every_steps)
-
-
 def _mid_epoch_checkpoint(cfg, run_dir, engine, scheduler, task, host) -> step_clocks.Checkpoint:
-    """A checkpoint on the step clock where it falls mid-epoch (at an epoch's end, the epoch's
-    report carries it), with the step report's metrics if one was made at that step."""
+    """A checkpoint on a clock in steps or minutes where it strikes mid-epoch (at an epoch's
+    end, the epoch's report carries it), with the step report's metrics if one was made at that
+    step."""
 
     def write(epoch: int, step: int, epoch_steps: int, reported: dict[str, Any]) -> None:
         # No "epoch" key: trackers log epochs; this is a resume point.
@@ -330,15 +331,8 @@ def _mid_epoch_checkpoint(cfg, run_dir, engine, scheduler, task, host) -> step_c
             f"step_{step:08d}",
             False,
         )
-        _reseed(cfg, step)
 
     return write
-
-
-def _reseed(cfg: RunConfig, step: int) -> None:
-    """Restart the random stream (dropout's) at a step-clock checkpoint, from (seed, step):
-    a run resumed there draws what the uninterrupted run drew after it."""
-    torch.manual_seed(cfg.seed * 1_000_003 + step)
 
 
 def _open_batches(loop_config: dict[str, Any], task, cfg: RunConfig, name: str, shuffle: bool):
