@@ -74,14 +74,7 @@ def _run_charts(record: dict[str, Any], epochs: list[dict[str, Any]]) -> list[st
         axes.set_xlabel("epoch")
         axes.set_ylabel(metric)
         charts.append(_chart(f"{metric} per epoch", _svg(figure)))
-    figure, (rate, lr) = _figure(height=3.0, ncols=2)
-    _series(rate, x, [e.get("samples_per_s") for e in epochs], "samples_per_s", marker="o")
-    rate.set_xlabel("epoch")
-    rate.set_ylabel("samples/s")
-    _series(lr, x, [e.get("lr") for e in epochs], "lr", marker="o", color="#2ca02c")
-    lr.set_xlabel("epoch")
-    lr.set_ylabel("learning rate")
-    charts.append(_chart("Throughput and learning rate per epoch", _svg(figure)))
+    charts.append(_rate_and_lr(epochs, "epoch", "", "o"))
     if breakdown := time_breakdown(record, epochs):
         charts.append(_chart("Where the wall time went (s)", _breakdown_svg(breakdown)))
     return charts
@@ -101,16 +94,23 @@ def _step_charts(steps: list[dict[str, Any]]) -> list[str]:
     axes.set_ylabel("loss")
     axes.legend()
     charts.append(_chart("Loss per step report", _svg(figure)))
-    x = [s["step"] for s in steps]
-    figure, (rate, lr) = _figure(height=3.0, ncols=2)
-    _series(rate, x, [s.get("samples_per_s") for s in steps], "step_samples_per_s", marker=".")
-    rate.set_xlabel("optimizer step")
-    rate.set_ylabel("samples/s")
-    _series(lr, x, [s.get("lr") for s in steps], "step_lr", marker=".", color="#2ca02c")
-    lr.set_xlabel("optimizer step")
-    lr.set_ylabel("learning rate")
-    charts.append(_chart("Throughput and learning rate per step report", _svg(figure)))
+    charts.append(_rate_and_lr(steps, "step", "step_", "."))
     return charts
+
+
+def _rate_and_lr(records: list[dict[str, Any]], clock: str, prefix: str, marker: str) -> str:
+    """Throughput and learning rate of epoch or step `records`, against their `clock` field."""
+    x = [r[clock] for r in records]
+    figure, (rate, lr) = _figure(height=3.0, ncols=2)
+    _series(rate, x, [r.get("samples_per_s") for r in records], f"{prefix}samples_per_s",
+            marker=marker)  # fmt: skip
+    _series(lr, x, [r.get("lr") for r in records], f"{prefix}lr", marker=marker, color="#2ca02c")
+    rate.set_ylabel("samples/s")
+    lr.set_ylabel("learning rate")
+    for axes in (rate, lr):
+        axes.set_xlabel("optimizer step" if clock == "step" else clock)
+    per = "step report" if clock == "step" else "epoch"
+    return _chart(f"Throughput and learning rate per {per}", _svg(figure))
 
 
 def time_breakdown(record: dict[str, Any], epochs: list[dict[str, Any]]) -> dict[str, float]:
