@@ -72,7 +72,7 @@ def relay_home(tmp_path_factory) -> Path:
 def ray_cluster(relay_home):
     """A 4-logical-CPU local cluster (2 per DDP worker pair leaves room for Ray's own actors),
     started once and shared; restarted only after a test that needed a cluster of its own
-    shut it down."""
+    (test_multinode.py's simulated nodes) shut it down."""
     import ray
 
     from relay.runtime import cluster

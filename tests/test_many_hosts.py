@@ -18,11 +18,9 @@ import pytest
 from netns_cluster import NetnsCluster, netns_unavailable
 from support import BIN, REPO, wait_for_checkpoint
 
-from relay.config import from_dict
 from relay.observe.doctor import heartbeat
 from relay.records import history, registry
 from relay.runtime.processes import stop_session
-from relay.tasks import build_task
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -393,16 +391,13 @@ def _grep_log(path: Path, *words: str, last: int = 8) -> list[str]:
 
 
 def test_fixed_size_run_resumes_on_both_hosts_when_the_lost_host_comes_back(two_hosts):
-    """An fsdp run; host 1 is SIGKILLed after epoch 2's checkpoint; once Ray has marked its
-    node dead (the run's worker group is then gone and a fixed-size run waits for a worker
-    slot on some host), host 1 starts again: the run resumes from its last (sharded)
-    checkpoint on two workers, one per host, and finishes; its efficiency report is the
-    worker group that finished."""
+    """Host 1 is SIGKILLed after epoch 2's checkpoint; once Ray has marked its node dead (the
+    run's worker group is then gone and a fixed-size run waits for a worker slot on some
+    host), host 1 starts again: the run resumes from its last checkpoint on two workers, one
+    per host, and finishes."""
     cluster, name = two_hosts, "hosts-return"
     old_node = _host_node_id(cluster, 1)
-    submission_id = submit_charlm(
-        cluster, name, "--set", "epochs=5", "--set", "parallel.strategy=fsdp"
-    )
+    submission_id = submit_charlm(cluster, name, "--set", "epochs=5")
     run_dir = wait_for_checkpoint(cluster.storage, name, 2)
     lost_at, lost_wall = time.monotonic(), time.time()
     cluster.kill_host(1)
@@ -429,36 +424,10 @@ def test_fixed_size_run_resumes_on_both_hosts_when_the_lost_host_comes_back(two_
     # Resumed from the last registered checkpoint (epoch 2 or later), not from scratch.
     assert 3 <= after[0]["epoch"] <= before[-1]["epoch"] + 1, (before[-1], after[0])
     assert {h["workers"] for h in raw} == {2}, "every epoch, before and after, on 2 workers"
-    assert after[-1]["val_loss"] < before[0]["val_loss"]
-    record = registry.get_run(cluster.storage, run_dir.name)
-    assert record["status"] == "finished"
-    assert sorted(r["node_ip"] for r in record["placement"]) == sorted(h.ip for h in cluster.hosts)
+    assert registry.get_run(cluster.storage, run_dir.name)["status"] == "finished"
+    placement = registry.get_run(cluster.storage, run_dir.name)["placement"]
+    assert sorted(r["node_ip"] for r in placement) == sorted(h.ip for h in cluster.hosts)
     assert _host_node_id(cluster, 1) != old_node  # a new node, at the same address
-    report = record["efficiency"]
-    assert report["workers"] == 2 and report["strategy"] == "fsdp"
-    _check_restart_startup(report, after, lost_wall)
-    # The restarted group's counts: samples of the epochs it trained (the first is warm-up
-    # when there are more), from the data set.
-    counted = after[1:] if len(after) > 1 else after
-    assert report["throughput"]["samples"] == _train_rows(record) // 2 * 2 * len(counted)
-
-
-def _check_restart_startup(report: dict, after: list[dict], lost_wall: float) -> None:
-    """The report's start-up is the worker group that finished: it began after the host was
-    lost (the test's clock), and it was up, with model and data, before the group's first
-    epoch began (the history's clock). The training before the failure is not in it."""
-    startup = report["startup"]
-    assert startup["restarts"] >= 1 and startup["restarted_after_s"] > 0, startup
-    began = after[0]["time"] - after[0]["epoch_s"]  # the finishing group's first epoch
-    # 0.1 s: history stamps an epoch's start a few ms late; one machine, one clock.
-    assert startup["worker_group_s"] + startup["model_and_data_s"] <= began - lost_wall + 0.1
-
-
-def _train_rows(record: dict) -> int:
-    """Training rows of the run's config, counted from its data set (not from the run)."""
-    cfg = from_dict(record["config"])
-    task = build_task(cfg.task, cfg.size, cfg.model, cfg.data.path)
-    return len(next(iter(task.load_data(cfg.data.val_fraction, cfg.seed).train.values())))
 
 
 def _controller_log(cluster: NetnsCluster, submission_id: str) -> str:
@@ -623,7 +592,7 @@ def test_elastic_run_continues_on_the_head_host_when_the_other_host_is_lost(two_
     )  # fmt: skip
     try:
         run_dir = wait_for_checkpoint(cluster.storage, name, 2)
-        lost_at, lost_wall = time.monotonic(), time.time()
+        lost_at = time.monotonic()
         cluster.kill_host(1)
         outcome = cluster.job_outcome(submission_id)
         print(f"\n{name}: {outcome} {time.monotonic() - lost_at:.1f} s after host 1 was lost")
@@ -638,11 +607,7 @@ def test_elastic_run_continues_on_the_head_host_when_the_other_host_is_lost(two_
     assert {h["workers"] for h in before} == {2} and {h["workers"] for h in after} == {1}
     assert before[0]["epoch"] == 1 and after[-1]["epoch"] == 6
     assert after[0]["epoch"] >= 3, "resumed from the last checkpoint (epoch 2 or later)"
-    assert after[-1]["val_loss"] < before[0]["val_loss"]
-    record = registry.get_run(cluster.storage, run_dir.name)
-    assert record["status"] == "finished"
-    # The workers after the loss: one, on the head's host; the report is theirs.
-    placement = record["placement"]
+    assert registry.get_run(cluster.storage, run_dir.name)["status"] == "finished"
+    # The workers after the loss: one, on the head's host.
+    placement = registry.get_run(cluster.storage, run_dir.name)["placement"]
     assert [(r["rank"], r["node_ip"]) for r in placement] == [(0, cluster.head.ip)], placement
-    assert record["efficiency"]["workers"] == 1
-    _check_restart_startup(record["efficiency"], after, lost_wall)
